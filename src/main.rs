@@ -1,0 +1,3 @@
+fn main() {
+    println!("mbtunnel {}", env!("CARGO_PKG_VERSION"));
+}

@@ -1,0 +1,140 @@
+//! `U64x8`: eight 64-bit lanes in one 512-bit register, the single wrapper around the AVX-512
+//! intrinsics used by the multi-buffer kernels.
+//!
+//! Invariant the caller keeps: every method is a `#[target_feature]` function, so it may only be
+//! reached from kernels that carry the same features (`avx512f,avx512ifma,avx512vl`), and those
+//! kernels are called only after `crate::mb` runtime detection confirmed the CPU has them. Inside
+//! such kernels the calls are safe and inline; outside, calling one needs `unsafe` and a reason.
+//!
+//! Lane `i` always belongs to request `i`; no method here moves data across lanes except the
+//! explicit transpose helpers, so lane-crossing bugs can only come from those.
+#![allow(dead_code)]
+
+use core::arch::x86_64::*;
+
+/// Eight unsigned 64-bit lanes.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct U64x8(pub __m512i);
+
+/// Per-lane boolean mask (bit `i` = lane `i`).
+pub type Mask8 = __mmask8;
+
+impl U64x8 {
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn zero() -> Self {
+        Self(_mm512_setzero_si512())
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn splat(x: u64) -> Self {
+        Self(_mm512_set1_epi64(x as i64))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn from_array(a: [u64; 8]) -> Self {
+        // SAFETY: `a` is 64 readable bytes; unaligned load.
+        Self(unsafe { _mm512_loadu_si512(a.as_ptr() as *const _) })
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn to_array(self) -> [u64; 8] {
+        let mut out = [0u64; 8];
+        // SAFETY: `out` is 64 writable bytes; unaligned store.
+        unsafe { _mm512_storeu_si512(out.as_mut_ptr() as *mut _, self.0) };
+        out
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn add(self, b: Self) -> Self {
+        Self(_mm512_add_epi64(self.0, b.0))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn sub(self, b: Self) -> Self {
+        Self(_mm512_sub_epi64(self.0, b.0))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn and(self, b: Self) -> Self {
+        Self(_mm512_and_si512(self.0, b.0))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn or(self, b: Self) -> Self {
+        Self(_mm512_or_si512(self.0, b.0))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn xor(self, b: Self) -> Self {
+        Self(_mm512_xor_si512(self.0, b.0))
+    }
+
+    /// Logical shift right of every lane by `N` bits.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn shr<const N: u32>(self) -> Self {
+        Self(_mm512_srli_epi64::<N>(self.0))
+    }
+
+    /// Shift left of every lane by `N` bits.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn shl<const N: u32>(self) -> Self {
+        Self(_mm512_slli_epi64::<N>(self.0))
+    }
+
+    /// Arithmetic shift right (sign-extending) of every lane by `N` bits.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn sra<const N: u32>(self) -> Self {
+        Self(_mm512_srai_epi64::<N>(self.0))
+    }
+
+    /// `self + lo52(b * c)` per lane, with `b`, `c` taken as 52-bit values.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn madd52lo(self, b: Self, c: Self) -> Self {
+        Self(_mm512_madd52lo_epu64(self.0, b.0, c.0))
+    }
+
+    /// `self + hi52(b * c)` per lane (bits 52..104 of the 104-bit product).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn madd52hi(self, b: Self, c: Self) -> Self {
+        Self(_mm512_madd52hi_epu64(self.0, b.0, c.0))
+    }
+
+    /// Lanes where `self == b`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn eq_mask(self, b: Self) -> Mask8 {
+        _mm512_cmpeq_epi64_mask(self.0, b.0)
+    }
+
+    /// Lanes where `self < b` (unsigned).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn lt_mask(self, b: Self) -> Mask8 {
+        _mm512_cmplt_epu64_mask(self.0, b.0)
+    }
+
+    /// Per lane: `b` where the mask bit is set, `self` otherwise. Branch-free.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn select(self, m: Mask8, b: Self) -> Self {
+        Self(_mm512_mask_blend_epi64(m, self.0, b.0))
+    }
+}
+
+/// The 52-bit limb mask, splatted.
+pub const MASK52: u64 = (1u64 << 52) - 1;
