@@ -1,6 +1,219 @@
 //! Multi-buffer signing core: eight independent signatures per instruction stream, one per 64-bit
 //! lane of 512-bit registers, radix 2^52 limbs with AVX-512 IFMA. Synchronous; no tokio, no proxy
 //! types. The only home of `unsafe` SIMD in the crate.
+//!
+//! One dispatch point ([`backend`]) chooses, once, between the IFMA kernels and the scalar
+//! BoringSSL single-op path; the choice and the reason are observable ([`backend_choice`]).
 
+use std::fmt;
+use std::sync::OnceLock;
+
+pub mod p256;
+pub mod rsa;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
+
+/// Number of lanes in one batch.
+pub const LANES: usize = 8;
+
+/// Environment variable that forces a backend (`scalar` or `ifma`).
+pub const BACKEND_ENV: &str = "MBTUNNEL_SIGNER_BACKEND";
+
+/// Which implementation computes signatures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// AVX-512 IFMA multi-buffer kernels (8 lanes).
+    Ifma,
+    /// BoringSSL, one operation at a time.
+    Scalar,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Ifma => "ifma",
+            Backend::Scalar => "scalar",
+        }
+    }
+}
+
+impl fmt::Display for Backend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// CPU features relevant to the multi-buffer kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuFeatures {
+    pub avx512f: bool,
+    pub avx512ifma: bool,
+    pub avx512vl: bool,
+}
+
+impl CpuFeatures {
+    /// True when the IFMA kernels can run.
+    pub fn ifma_capable(&self) -> bool {
+        self.avx512f && self.avx512ifma && self.avx512vl
+    }
+}
+
+impl fmt::Display for CpuFeatures {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut names = Vec::new();
+        if self.avx512f {
+            names.push("avx512f");
+        }
+        if self.avx512ifma {
+            names.push("avx512ifma");
+        }
+        if self.avx512vl {
+            names.push("avx512vl");
+        }
+        if names.is_empty() {
+            f.write_str("none")
+        } else {
+            f.write_str(&names.join(","))
+        }
+    }
+}
+
+/// Detects the CPU features at run time.
+pub fn cpu_features() -> CpuFeatures {
+    #[cfg(target_arch = "x86_64")]
+    {
+        CpuFeatures {
+            avx512f: std::arch::is_x86_feature_detected!("avx512f"),
+            avx512ifma: std::arch::is_x86_feature_detected!("avx512ifma"),
+            avx512vl: std::arch::is_x86_feature_detected!("avx512vl"),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        CpuFeatures { avx512f: false, avx512ifma: false, avx512vl: false }
+    }
+}
+
+/// The backend chosen at start-up and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackendChoice {
+    pub backend: Backend,
+    pub features: CpuFeatures,
+    pub reason: String,
+}
+
+/// Chooses a backend from a requested mode (`None`/`auto`, `ifma`, `scalar`) and the CPU features.
+/// Asking for `ifma` on a CPU without it is an error, never a silent fallback.
+pub fn choose_backend(
+    requested: Option<&str>,
+    features: CpuFeatures,
+) -> Result<BackendChoice, MbError> {
+    let req = requested.map(|s| s.trim().to_ascii_lowercase());
+    match req.as_deref() {
+        None | Some("") | Some("auto") => Ok(if features.ifma_capable() {
+            BackendChoice {
+                backend: Backend::Ifma,
+                features,
+                reason: "CPU has avx512f, avx512ifma and avx512vl".into(),
+            }
+        } else {
+            BackendChoice {
+                backend: Backend::Scalar,
+                features,
+                reason: format!("CPU lacks AVX-512 IFMA (detected: {features}); using BoringSSL single-op"),
+            }
+        }),
+        Some("scalar") => Ok(BackendChoice {
+            backend: Backend::Scalar,
+            features,
+            reason: "forced by configuration".into(),
+        }),
+        Some("ifma") if features.ifma_capable() => Ok(BackendChoice {
+            backend: Backend::Ifma,
+            features,
+            reason: "forced by configuration".into(),
+        }),
+        Some("ifma") => Err(MbError::Unsupported(format!(
+            "backend 'ifma' requested but the CPU lacks AVX-512 IFMA (detected: {features}); use 'scalar' or 'auto'"
+        ))),
+        Some(other) => Err(MbError::Unsupported(format!(
+            "unknown signer backend '{other}': expected auto, ifma or scalar"
+        ))),
+    }
+}
+
+static CHOICE: OnceLock<BackendChoice> = OnceLock::new();
+
+/// Fixes the process-wide backend from a configured mode. The first call wins; later calls return
+/// the choice already made. Without a call, [`backend_choice`] uses `MBTUNNEL_SIGNER_BACKEND`.
+pub fn init_backend(requested: Option<&str>) -> Result<&'static BackendChoice, MbError> {
+    if let Some(c) = CHOICE.get() {
+        return Ok(c);
+    }
+    let choice = choose_backend(requested, cpu_features())?;
+    Ok(CHOICE.get_or_init(|| choice))
+}
+
+/// The process-wide backend choice (made on first use from `MBTUNNEL_SIGNER_BACKEND`, or `auto`
+/// when that is unset or invalid — an invalid value is reported in the reason).
+pub fn backend_choice() -> &'static BackendChoice {
+    CHOICE.get_or_init(|| {
+        let env = std::env::var(BACKEND_ENV).ok();
+        match choose_backend(env.as_deref(), cpu_features()) {
+            Ok(c) => c,
+            Err(e) => {
+                let mut c = choose_backend(None, cpu_features()).expect("auto never fails");
+                c.reason = format!("{e}; fell back to auto: {}", c.reason);
+                c
+            }
+        }
+    })
+}
+
+/// The process-wide backend.
+pub fn backend() -> Backend {
+    backend_choice().backend
+}
+
+/// Errors of the multi-buffer core. Per lane where a batch is involved.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MbError {
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    #[error("invalid key: {0}")]
+    InvalidKey(String),
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    #[error("RSA fault check failed: signature did not verify with the public key")]
+    FaultCheck,
+    #[error("BoringSSL: {0}")]
+    Boring(String),
+}
+
+impl From<boring::error::ErrorStack> for MbError {
+    fn from(e: boring::error::ErrorStack) -> Self {
+        MbError::Boring(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ALL: CpuFeatures = CpuFeatures { avx512f: true, avx512ifma: true, avx512vl: true };
+    const NONE: CpuFeatures = CpuFeatures { avx512f: false, avx512ifma: false, avx512vl: false };
+
+    #[test]
+    fn auto_follows_cpu() {
+        assert_eq!(choose_backend(None, ALL).unwrap().backend, Backend::Ifma);
+        assert_eq!(choose_backend(Some("auto"), NONE).unwrap().backend, Backend::Scalar);
+    }
+
+    #[test]
+    fn forced_modes() {
+        assert_eq!(choose_backend(Some("scalar"), ALL).unwrap().backend, Backend::Scalar);
+        assert!(choose_backend(Some("ifma"), NONE).is_err());
+        let e = choose_backend(Some("gpu"), ALL).unwrap_err().to_string();
+        assert!(e.contains("gpu"), "{e}");
+    }
+}

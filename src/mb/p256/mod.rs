@@ -1,0 +1,1 @@
+//! Multi-buffer ECDSA P-256 signing.
