@@ -1,0 +1,421 @@
+//! The one `Config` struct: built once from a YAML file and environment variables, printed in the
+//! admin config dump. Unknown fields are errors that name the field; a missing or malformed file
+//! names the file and what is wrong.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::identity::Identity;
+
+/// Environment variable names, in one place.
+pub mod env {
+    pub const CONFIG: &str = "MBTUNNEL_CONFIG";
+    pub const NODE_NAME: &str = "NODE_NAME";
+    pub const TRUST_DOMAIN: &str = "TRUST_DOMAIN";
+    pub const CA_DIR: &str = "MBTUNNEL_CA_DIR";
+    pub const KEY_ALGORITHM: &str = "MBTUNNEL_KEY_ALGORITHM";
+    pub const SIGNER_BACKEND: &str = crate::mb::BACKEND_ENV;
+    pub const LOG_FORMAT: &str = "MBTUNNEL_LOG_FORMAT";
+    pub const LOG: &str = "RUST_LOG";
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("invalid config file {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+/// Key algorithm of the workload certificates the node requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum KeyAlgorithm {
+    #[default]
+    #[serde(rename = "ecdsa-p256")]
+    EcdsaP256,
+    #[serde(rename = "rsa-2048")]
+    Rsa2048,
+    #[serde(rename = "rsa-3072")]
+    Rsa3072,
+    #[serde(rename = "rsa-4096")]
+    Rsa4096,
+}
+
+impl std::str::FromStr for KeyAlgorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ecdsa-p256" => Ok(KeyAlgorithm::EcdsaP256),
+            "rsa-2048" => Ok(KeyAlgorithm::Rsa2048),
+            "rsa-3072" => Ok(KeyAlgorithm::Rsa3072),
+            "rsa-4096" => Ok(KeyAlgorithm::Rsa4096),
+            _ => Err(format!(
+                "unknown key algorithm '{s}': expected ecdsa-p256, rsa-2048, rsa-3072 or rsa-4096"
+            )),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// How a workload is reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum Protocol {
+    /// Through the destination node's proxy over HBONE (mTLS).
+    #[default]
+    #[serde(rename = "HBONE")]
+    Hbone,
+    /// Plain TCP (not in the mesh).
+    #[serde(rename = "TCP")]
+    Tcp,
+}
+
+/// A workload (pod) of the mesh.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    pub uid: String,
+    pub name: String,
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    #[serde(default = "default_sa")]
+    pub service_account: String,
+    pub ips: Vec<IpAddr>,
+    pub node: String,
+    #[serde(default)]
+    pub protocol: Protocol,
+}
+
+fn default_namespace() -> String {
+    "default".into()
+}
+fn default_sa() -> String {
+    "default".into()
+}
+
+impl Workload {
+    pub fn identity(&self, trust_domain: &str) -> Identity {
+        Identity::new(trust_domain, &self.namespace, &self.service_account)
+    }
+}
+
+/// A port of a service: the port clients use and the port the workloads listen on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServicePort {
+    pub port: u16,
+    #[serde(default)]
+    pub target_port: Option<u16>,
+}
+
+/// A service: virtual IPs and a hostname, ports, and the workloads behind it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Service {
+    pub name: String,
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    #[serde(default)]
+    pub hostname: Option<String>,
+    #[serde(default)]
+    pub vips: Vec<IpAddr>,
+    pub ports: Vec<ServicePort>,
+    /// Workload uids.
+    pub workloads: Vec<String>,
+}
+
+/// Where the node's HBONE inbound can be reached when it is not `<workload ip>:hbone_port`
+/// (several nodes on one machine).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Node {
+    pub name: String,
+    pub hbone_addr: SocketAddr,
+}
+
+/// Node proxy configuration plus the local view of the mesh.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This node's name; the proxy serves the workloads whose `node` equals it.
+    pub node_name: String,
+    pub trust_domain: String,
+    /// Directory of the development CA (root.pem, root.key); created on first use.
+    pub ca_dir: PathBuf,
+    pub key_algorithm: KeyAlgorithm,
+    pub cert_lifetime_secs: u64,
+    pub outbound_addr: SocketAddr,
+    pub inbound_addr: SocketAddr,
+    pub inbound_plaintext_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub readiness_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    /// Port dialed on a destination for HBONE.
+    pub hbone_port: u16,
+    /// Try `IP_TRANSPARENT` so applications see the original source address.
+    pub transparent: bool,
+    /// `SO_MARK` on sockets the proxy opens, so redirect rules skip them (0 = none).
+    pub socket_mark: u32,
+    pub drain_timeout_secs: u64,
+    pub log_format: LogFormat,
+    pub log_level: String,
+    /// `auto`, `ifma` or `scalar`.
+    pub signer_backend: String,
+    pub nodes: Vec<Node>,
+    pub workloads: Vec<Workload>,
+    pub services: Vec<Service>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        let any = |p| SocketAddr::from(([0, 0, 0, 0], p));
+        Config {
+            node_name: "local".into(),
+            trust_domain: "cluster.local".into(),
+            ca_dir: PathBuf::from("/var/lib/mbtunnel/ca"),
+            key_algorithm: KeyAlgorithm::EcdsaP256,
+            cert_lifetime_secs: 24 * 3600,
+            outbound_addr: any(15001),
+            inbound_addr: any(15008),
+            inbound_plaintext_addr: any(15006),
+            metrics_addr: any(15020),
+            readiness_addr: any(15021),
+            admin_addr: SocketAddr::from(([127, 0, 0, 1], 15000)),
+            hbone_port: 15008,
+            transparent: true,
+            socket_mark: 0x539,
+            drain_timeout_secs: 5,
+            log_format: LogFormat::Text,
+            log_level: "info".into(),
+            signer_backend: "auto".into(),
+            nodes: Vec::new(),
+            workloads: Vec::new(),
+            services: Vec::new(),
+        }
+    }
+}
+
+impl Config {
+    /// Parses YAML text; `path` names the source in errors.
+    pub fn from_yaml(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let cfg: Config = serde_yaml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: path.into(), message: e.to_string() })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reads and parses a YAML file.
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        Config::from_yaml(&text, path)
+    }
+
+    /// Applies environment overrides (see [`env`]) through `get`.
+    pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        if let Some(v) = get(env::NODE_NAME) {
+            self.node_name = v;
+        }
+        if let Some(v) = get(env::TRUST_DOMAIN) {
+            self.trust_domain = v;
+        }
+        if let Some(v) = get(env::CA_DIR) {
+            self.ca_dir = v.into();
+        }
+        if let Some(v) = get(env::KEY_ALGORITHM) {
+            self.key_algorithm = v
+                .parse()
+                .map_err(|e| ConfigError::Invalid(format!("{}: {e}", env::KEY_ALGORITHM)))?;
+        }
+        if let Some(v) = get(env::SIGNER_BACKEND) {
+            self.signer_backend = v;
+        }
+        if let Some(v) = get(env::LOG_FORMAT) {
+            self.log_format = match v.as_str() {
+                "text" => LogFormat::Text,
+                "json" => LogFormat::Json,
+                _ => {
+                    return Err(ConfigError::Invalid(format!(
+                        "{}: '{v}' is not text or json",
+                        env::LOG_FORMAT
+                    )))
+                }
+            };
+        }
+        self.validate()
+    }
+
+    /// Cross-field checks.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.node_name.is_empty() {
+            return bad("node_name is empty".into());
+        }
+        if self.trust_domain.is_empty()
+            || format!("spiffe://{}/ns/a/sa/b", self.trust_domain).parse::<Identity>().is_err()
+        {
+            return bad(format!(
+                "trust_domain '{}' is not a valid SPIFFE trust domain",
+                self.trust_domain
+            ));
+        }
+        if self.cert_lifetime_secs < 60 {
+            return bad(format!(
+                "cert_lifetime_secs {} is below the minimum of 60",
+                self.cert_lifetime_secs
+            ));
+        }
+        let mut uids = std::collections::HashSet::new();
+        let mut ips = BTreeMap::new();
+        for w in &self.workloads {
+            if !uids.insert(&w.uid) {
+                return bad(format!("workload uid '{}' appears twice", w.uid));
+            }
+            if w.ips.is_empty() {
+                return bad(format!("workload '{}' has no ips", w.uid));
+            }
+            let id = format!(
+                "spiffe://{}/ns/{}/sa/{}",
+                self.trust_domain, w.namespace, w.service_account
+            );
+            if let Err(e) = id.parse::<Identity>() {
+                return bad(format!("workload '{}': {e}", w.uid));
+            }
+            for ip in &w.ips {
+                if let Some(other) = ips.insert(*ip, &w.uid) {
+                    return bad(format!("ip {ip} belongs to workloads '{other}' and '{}'", w.uid));
+                }
+            }
+        }
+        for s in &self.services {
+            for uid in &s.workloads {
+                if !uids.contains(uid) {
+                    return bad(format!(
+                        "service '{}/{}' names unknown workload '{uid}'",
+                        s.namespace, s.name
+                    ));
+                }
+            }
+            if s.ports.is_empty() {
+                return bad(format!("service '{}/{}' has no ports", s.namespace, s.name));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+node_name: node-a
+trust_domain: cluster.local
+key_algorithm: rsa-2048
+workloads:
+  - uid: a1
+    name: client
+    namespace: demo
+    service_account: client
+    ips: [127.0.0.2]
+    node: node-a
+  - uid: b1
+    name: echo
+    ips: ["10.0.0.3"]
+    node: node-b
+    protocol: TCP
+services:
+  - name: echo
+    hostname: echo.default.svc.cluster.local
+    vips: [10.96.0.10]
+    ports: [{port: 80, target_port: 8080}]
+    workloads: [b1]
+nodes:
+  - name: node-b
+    hbone_addr: 127.0.0.3:15008
+"#;
+
+    #[test]
+    fn parses_good_file() {
+        let c = Config::from_yaml(GOOD, Path::new("good.yaml")).unwrap();
+        assert_eq!(c.node_name, "node-a");
+        assert_eq!(c.key_algorithm, KeyAlgorithm::Rsa2048);
+        assert_eq!(c.workloads.len(), 2);
+        assert_eq!(c.workloads[1].namespace, "default");
+        assert_eq!(c.workloads[1].protocol, Protocol::Tcp);
+        assert_eq!(c.services[0].ports[0].target_port, Some(8080));
+        assert_eq!(c.outbound_addr.port(), 15001, "defaults fill the rest");
+        assert_eq!(
+            c.workloads[0].identity(&c.trust_domain).to_string(),
+            "spiffe://cluster.local/ns/demo/sa/client"
+        );
+    }
+
+    #[test]
+    fn unknown_field_is_named() {
+        let e = Config::from_yaml("node_name: a\nnode_nmae: b\n", Path::new("x.yaml")).unwrap_err();
+        let s = e.to_string();
+        assert!(s.contains("x.yaml") && s.contains("node_nmae"), "{s}");
+        let e = Config::from_yaml(
+            "workloads: [{uid: a, name: a, ips: [1.2.3.4], node: n, colour: red}]\n",
+            Path::new("y.yaml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("colour") && e.contains("y.yaml"), "{e}");
+    }
+
+    #[test]
+    fn missing_file_and_bad_yaml_name_the_file() {
+        let e = Config::from_file(Path::new("/nonexistent/mbt.yaml")).unwrap_err().to_string();
+        assert!(e.contains("/nonexistent/mbt.yaml") && e.contains("cannot read"), "{e}");
+        let e = Config::from_yaml("workloads: [", Path::new("bad.yaml")).unwrap_err().to_string();
+        assert!(e.contains("bad.yaml") && e.contains("invalid config file"), "{e}");
+    }
+
+    #[test]
+    fn bad_values() {
+        for (yaml, want) in [
+            ("key_algorithm: rsa-1024\n", "rsa-1024"),
+            ("trust_domain: 'Bad Domain'\n", "trust_domain"),
+            ("workloads: [{uid: a, name: a, ips: [], node: n}]\n", "no ips"),
+            ("workloads: [{uid: a, name: a, ips: [1.1.1.1], node: n}, {uid: a, name: b, ips: [1.1.1.2], node: n}]\n", "twice"),
+            ("workloads: [{uid: a, name: a, ips: [1.1.1.1], node: n}, {uid: b, name: b, ips: [1.1.1.1], node: n}]\n", "1.1.1.1"),
+            ("services: [{name: s, ports: [{port: 1}], workloads: [zz]}]\n", "zz"),
+            ("outbound_addr: not-an-addr\n", "outbound_addr"),
+        ] {
+            let e = Config::from_yaml(yaml, Path::new("t.yaml")).unwrap_err().to_string();
+            assert!(e.contains(want), "{yaml}: {e}");
+        }
+    }
+
+    #[test]
+    fn env_overrides() {
+        let mut c = Config::default();
+        c.apply_env(|k| match k {
+            env::NODE_NAME => Some("n9".into()),
+            env::KEY_ALGORITHM => Some("rsa-4096".into()),
+            env::LOG_FORMAT => Some("json".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(
+            (c.node_name.as_str(), c.key_algorithm, c.log_format),
+            ("n9", KeyAlgorithm::Rsa4096, LogFormat::Json)
+        );
+        let e = c.apply_env(|k| (k == env::LOG_FORMAT).then(|| "xml".into())).unwrap_err();
+        assert!(e.to_string().contains("xml"));
+    }
+}
