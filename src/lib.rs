@@ -1,10 +1,14 @@
 //! mbtunnel: a node-level mTLS proxy for ambient service meshes whose TLS handshakes sign through
 //! a shared batching signer running an AVX-512 IFMA multi-buffer RSA / ECDSA core.
 
+pub mod admin;
+pub mod app;
 pub mod config;
+pub mod hbone;
 pub mod identity;
 pub mod mb;
 pub mod metrics;
+pub mod proxy;
 pub mod signer;
 pub mod state;
 pub mod tls;

@@ -1,3 +1,241 @@
-fn main() {
-    println!("mbtunnel {}", env!("CARGO_PKG_VERSION"));
+//! The `mbtunnel` command.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use mbtunnel::config::{env, Config, KeyAlgorithm, LogFormat};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tracing_subscriber::prelude::*;
+use tracing_subscriber::{reload, EnvFilter};
+
+#[derive(Parser)]
+#[command(
+    name = "mbtunnel",
+    version,
+    about = "Node-level mTLS (HBONE) proxy for ambient service meshes, \
+with an AVX-512 IFMA multi-buffer signer"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run a node proxy.
+    Run(RunArgs),
+    /// Print the version.
+    Version,
+    /// Show CPU features, the signer backend that would be chosen, and why.
+    Doctor,
+    /// Test helpers used by the demo: an echo server and a client.
+    #[command(hide = true, subcommand)]
+    Tool(Tool),
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// YAML file with the node settings and the mesh (workloads, services, nodes).
+    /// Unknown fields are errors. Without it, defaults apply.
+    #[arg(long, short, env = env::CONFIG)]
+    config: Option<PathBuf>,
+    /// This node's name; the proxy serves workloads whose `node` matches. [env: NODE_NAME]
+    #[arg(long)]
+    node_name: Option<String>,
+    /// SPIFFE trust domain (default cluster.local). [env: TRUST_DOMAIN]
+    #[arg(long)]
+    trust_domain: Option<String>,
+    /// Directory holding the development CA root (ca-cert.pem, ca-key.pem); created on first
+    /// use. Put an existing root there to share it. [env: MBTUNNEL_CA_DIR]
+    #[arg(long)]
+    ca_dir: Option<PathBuf>,
+    /// Workload key algorithm: ecdsa-p256 (default), rsa-2048, rsa-3072, rsa-4096.
+    /// [env: MBTUNNEL_KEY_ALGORITHM]
+    #[arg(long)]
+    key_algorithm: Option<KeyAlgorithm>,
+    /// Signer backend: auto (IFMA when the CPU has it), ifma, scalar.
+    /// [env: MBTUNNEL_SIGNER_BACKEND]
+    #[arg(long)]
+    signer_backend: Option<String>,
+    /// Log format: text or json. [env: MBTUNNEL_LOG_FORMAT]
+    #[arg(long)]
+    log_format: Option<String>,
+    /// Log filter, e.g. info or mbtunnel=debug. [env: RUST_LOG]
+    #[arg(long)]
+    log_level: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Tool {
+    /// Echo every byte back on each connection.
+    Echo {
+        #[arg(long)]
+        listen: SocketAddr,
+    },
+    /// Send N pseudo-random bytes, read the echo, check it, print a JSON line.
+    Send {
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long)]
+        bind: Option<IpAddr>,
+        #[arg(long, default_value_t = 1 << 20)]
+        bytes: usize,
+    },
+}
+
+type FilterHandle = reload::Handle<EnvFilter, tracing_subscriber::Registry>;
+
+fn init_logging(format: LogFormat, level: &str) -> anyhow::Result<FilterHandle> {
+    let filter =
+        EnvFilter::try_new(level).with_context(|| format!("invalid log filter '{level}'"))?;
+    let (filter, handle) = reload::Layer::new(filter);
+    let reg = tracing_subscriber::registry().with(filter);
+    match format {
+        LogFormat::Json => reg
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .json()
+                    .with_current_span(true)
+                    .with_writer(std::io::stderr),
+            )
+            .init(),
+        LogFormat::Text => {
+            use std::io::IsTerminal;
+            let ansi = std::io::stderr().is_terminal();
+            reg.with(tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(std::io::stderr))
+                .init()
+        }
+    }
+    Ok(handle)
+}
+
+fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
+    let mut cfg = match &a.config {
+        Some(p) => Config::from_file(p)?,
+        None => Config::default(),
+    };
+    cfg.apply_env(|k| std::env::var(k).ok())?;
+    if let Some(v) = &a.node_name {
+        cfg.node_name = v.clone();
+    }
+    if let Some(v) = &a.trust_domain {
+        cfg.trust_domain = v.clone();
+    }
+    if let Some(v) = &a.ca_dir {
+        cfg.ca_dir = v.clone();
+    }
+    if let Some(v) = a.key_algorithm {
+        cfg.key_algorithm = v;
+    }
+    if let Some(v) = &a.signer_backend {
+        cfg.signer_backend = v.clone();
+    }
+    if let Some(v) = &a.log_format {
+        cfg.log_format = match v.as_str() {
+            "json" => LogFormat::Json,
+            "text" => LogFormat::Text,
+            _ => anyhow::bail!("--log-format: '{v}' is not text or json"),
+        };
+    }
+    if let Some(v) = a.log_level.clone().or_else(|| std::env::var(env::LOG).ok()) {
+        cfg.log_level = v;
+    }
+    cfg.validate()?;
+    Ok(cfg)
+}
+
+async fn run(a: RunArgs) -> anyhow::Result<()> {
+    let cfg = load_config(&a)?;
+    let handle = init_logging(cfg.log_format, &cfg.log_level)?;
+    let ctl: mbtunnel::admin::LogControl = Arc::new(move |level: &str| {
+        let f = EnvFilter::try_new(level).map_err(|e| e.to_string())?;
+        handle.reload(f).map_err(|e| e.to_string())
+    });
+    let running = mbtunnel::app::start(cfg, Some(ctl)).await?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupt received"),
+    }
+    running.shutdown().await;
+    Ok(())
+}
+
+async fn tool(t: Tool) -> anyhow::Result<()> {
+    match t {
+        Tool::Echo { listen } => {
+            let l = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("bind {listen}"))?;
+            loop {
+                let (mut s, peer) = l.accept().await?;
+                tokio::spawn(async move {
+                    let (mut r, mut w) = s.split();
+                    let n = tokio::io::copy(&mut r, &mut w).await.unwrap_or(0);
+                    let _ = w.shutdown().await;
+                    println!("{{\"echo_peer\":\"{peer}\",\"bytes\":{n}}}");
+                });
+            }
+        }
+        Tool::Send { connect, bind, bytes } => {
+            let sock = if connect.is_ipv4() {
+                tokio::net::TcpSocket::new_v4()?
+            } else {
+                tokio::net::TcpSocket::new_v6()?
+            };
+            if let Some(ip) = bind {
+                sock.bind(SocketAddr::new(ip, 0)).with_context(|| format!("bind {ip}"))?;
+            }
+            let start = std::time::Instant::now();
+            let s = sock.connect(connect).await.with_context(|| format!("connect {connect}"))?;
+            let data: Vec<u8> =
+                (0..bytes).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+            let (mut r, mut w) = s.into_split();
+            let d2 = data.clone();
+            let writer = tokio::spawn(async move {
+                w.write_all(&d2).await?;
+                w.shutdown().await
+            });
+            let mut back = Vec::with_capacity(bytes);
+            r.read_to_end(&mut back).await?;
+            writer.await??;
+            let ok = back == data;
+            println!(
+                "{{\"sent\":{},\"received\":{},\"intact\":{},\"ms\":{}}}",
+                data.len(),
+                back.len(),
+                ok,
+                start.elapsed().as_millis()
+            );
+            anyhow::ensure!(
+                ok,
+                "echo mismatch: sent {} bytes, got {} back",
+                data.len(),
+                back.len()
+            );
+            Ok(())
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Version => {
+            println!("mbtunnel {}", env!("CARGO_PKG_VERSION"));
+            Ok(())
+        }
+        Cmd::Doctor => {
+            let c = mbtunnel::mb::backend_choice();
+            println!("cpu features: {}", c.features);
+            println!("signer backend: {}", c.backend);
+            println!("why: {}", c.reason);
+            Ok(())
+        }
+        Cmd::Run(a) => tokio::runtime::Runtime::new()?.block_on(run(a)),
+        Cmd::Tool(t) => tokio::runtime::Runtime::new()?.block_on(tool(t)),
+    }
 }

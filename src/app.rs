@@ -1,0 +1,322 @@
+//! Wiring: builds the state, CA, signer, TLS, pool and listeners from a [`Config`], serves the
+//! HTTP endpoints, and drains on shutdown.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use http::StatusCode;
+use prometheus_client::registry::Registry;
+use serde_json::json;
+
+use crate::admin::{self, text, LogControl};
+use crate::config::Config;
+use crate::hbone::Pool;
+use crate::identity::ca::DevCa;
+use crate::identity::store::{humantime, CertStore};
+use crate::metrics::Metrics;
+use crate::proxy::{self, socket, Ctx, Drain};
+use crate::signer::Signer;
+use crate::state::State;
+use crate::tls::TlsProvider;
+
+/// Addresses actually bound (ports may be 0 in the config).
+#[derive(Clone, Copy, Debug)]
+pub struct Bound {
+    pub outbound: SocketAddr,
+    pub inbound: SocketAddr,
+    pub inbound_plaintext: SocketAddr,
+    pub metrics: SocketAddr,
+    pub readiness: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+/// A running node proxy.
+pub struct Running {
+    pub bound: Bound,
+    pub ctx: Arc<Ctx>,
+    pub store: Arc<CertStore>,
+    registry: Arc<Registry>,
+    ready: Arc<AtomicBool>,
+    drain_timeout: Duration,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+fn bind(
+    name: &str,
+    addr: SocketAddr,
+    transparent: bool,
+) -> anyhow::Result<tokio::net::TcpListener> {
+    socket::listen(addr, transparent).with_context(|| format!("cannot listen for {name} on {addr}"))
+}
+
+/// Starts a node proxy. Returns once listeners are bound; readiness turns true when the
+/// certificates of every local workload are issued.
+pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Running> {
+    let backend = crate::mb::init_backend(Some(&cfg.signer_backend))
+        .map_err(|e| anyhow::anyhow!("signer_backend: {e}"))?;
+    tracing::info!(backend = %backend.backend, cpu_features = %backend.features, reason = %backend.reason,
+        "signer backend chosen");
+    let state = Arc::new(State::new(&cfg));
+    let ca_dir = cfg.ca_dir.clone();
+    let td = cfg.trust_domain.clone();
+    let ca = tokio::task::spawn_blocking(move || DevCa::load_or_create(&ca_dir, &td))
+        .await?
+        .context("development CA")?;
+    let store = Arc::new(CertStore::new(
+        ca,
+        cfg.key_algorithm,
+        Duration::from_secs(cfg.cert_lifetime_secs),
+    ));
+    let mut registry = Registry::default();
+    let metrics = Arc::new(Metrics::new(&mut registry, backend));
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let signer = Signer::start(threads);
+    let tls = Arc::new(TlsProvider::new(
+        store.clone(),
+        signer,
+        cfg.trust_domain.clone(),
+        metrics.clone(),
+    ));
+    let pool = Arc::new(Pool::new(tls.clone(), metrics.clone(), cfg.socket_mark, cfg.transparent));
+
+    let out_l = bind("outbound", cfg.outbound_addr, cfg.transparent)?;
+    let in_l = bind("inbound HBONE", cfg.inbound_addr, cfg.transparent)?;
+    let pt_l = bind("inbound plaintext", cfg.inbound_plaintext_addr, cfg.transparent)?;
+    let metrics_l = bind("metrics", cfg.metrics_addr, false)?;
+    let ready_l = bind("readiness", cfg.readiness_addr, false)?;
+    let admin_l = bind("admin", cfg.admin_addr, false)?;
+    let bound = Bound {
+        outbound: out_l.local_addr()?,
+        inbound: in_l.local_addr()?,
+        inbound_plaintext: pt_l.local_addr()?,
+        metrics: metrics_l.local_addr()?,
+        readiness: ready_l.local_addr()?,
+        admin: admin_l.local_addr()?,
+    };
+    let drain = Drain::default();
+    let ctx = Arc::new(Ctx {
+        state: state.clone(),
+        tls,
+        pool,
+        metrics,
+        drain: drain.clone(),
+        mark: cfg.socket_mark,
+        transparent: cfg.transparent,
+        own_addrs: vec![bound.outbound, bound.inbound, bound.inbound_plaintext],
+    });
+    let registry = Arc::new(registry);
+    let ready = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+
+    let c = ctx.clone();
+    tasks.push(tokio::spawn(proxy::accept_loop("outbound", out_l, drain.clone(), move |s, p| {
+        proxy::outbound::handle(c.clone(), s, p)
+    })));
+    let c = ctx.clone();
+    tasks.push(tokio::spawn(proxy::accept_loop("inbound", in_l, drain.clone(), move |s, p| {
+        proxy::inbound::handle_hbone(c.clone(), s, p)
+    })));
+    let c = ctx.clone();
+    tasks.push(tokio::spawn(proxy::accept_loop(
+        "inbound_plaintext",
+        pt_l,
+        drain.clone(),
+        move |s, p| proxy::inbound::handle_plaintext(c.clone(), s, p),
+    )));
+
+    // Certificates for every local workload, then readiness.
+    {
+        let store = store.clone();
+        let ids: Vec<_> = state.local_workloads().map(|w| state.identity_of(w)).collect();
+        let ready = ready.clone();
+        tasks.push(tokio::spawn(async move {
+            let r = tokio::task::spawn_blocking(move || {
+                for id in &ids {
+                    store.fetch(id)?;
+                }
+                Ok::<_, crate::identity::ca::CaError>(ids.len())
+            })
+            .await;
+            match r {
+                Ok(Ok(n)) => {
+                    ready.store(true, Ordering::Release);
+                    tracing::info!(certificates = n, "ready");
+                }
+                Ok(Err(e)) => {
+                    tracing::error!(error = %e, "cannot issue workload certificates: not ready")
+                }
+                Err(e) => tracing::error!(error = %e, "certificate task failed: not ready"),
+            }
+        }));
+    }
+    tasks.push(tokio::spawn(store.clone().run_renewal()));
+
+    let reg = registry.clone();
+    tasks.push(tokio::spawn(admin::serve(metrics_l, drain.clone(), move |req| {
+        let reg = reg.clone();
+        async move {
+            match req.uri().path() {
+                "/metrics" | "/stats/prometheus" => {
+                    let mut s = String::new();
+                    match prometheus_client::encoding::text::encode(&mut s, &reg) {
+                        Ok(()) => {
+                            let mut r = text(StatusCode::OK, s);
+                            r.headers_mut().insert(
+                                http::header::CONTENT_TYPE,
+                                http::HeaderValue::from_static(
+                                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                                ),
+                            );
+                            r
+                        }
+                        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                    }
+                }
+                _ => text(StatusCode::NOT_FOUND, "try /metrics\n"),
+            }
+        }
+    })));
+    let rd = ready.clone();
+    let dr = drain.clone();
+    tasks.push(tokio::spawn(admin::serve(ready_l, drain.clone(), move |req| {
+        let ready = rd.load(Ordering::Acquire) && !dr.is_draining();
+        async move {
+            match req.uri().path() {
+                "/healthz/ready" if ready => text(StatusCode::OK, "ready\n"),
+                "/healthz/ready" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+                _ => text(StatusCode::NOT_FOUND, "try /healthz/ready\n"),
+            }
+        }
+    })));
+    let dump_cfg = Arc::new(cfg.clone());
+    let dump_store = store.clone();
+    let dump_ctx = ctx.clone();
+    tasks.push(tokio::spawn(admin::serve(admin_l, drain.clone(), move |req| {
+        let cfg = dump_cfg.clone();
+        let store = dump_store.clone();
+        let ctx = dump_ctx.clone();
+        let log = log.clone();
+        async move {
+            match req.uri().path() {
+                "/config_dump" => {
+                    let v = config_dump(&cfg, &store, &ctx);
+                    let mut r =
+                        text(StatusCode::OK, serde_json::to_string_pretty(&v).unwrap_or_default());
+                    r.headers_mut().insert(
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/json"),
+                    );
+                    r
+                }
+                "/logging" => match (admin::level_param(req.uri().query()), &log) {
+                    (Some(level), Some(ctl)) => match ctl(&level) {
+                        Ok(()) => {
+                            tracing::info!(%level, "log level changed");
+                            text(StatusCode::OK, format!("log level set to {level}\n"))
+                        }
+                        Err(e) => {
+                            text(StatusCode::BAD_REQUEST, format!("invalid level '{level}': {e}\n"))
+                        }
+                    },
+                    (None, _) => text(
+                        StatusCode::BAD_REQUEST,
+                        "usage: /logging?level=<filter, e.g. debug or mbtunnel=trace>\n",
+                    ),
+                    (_, None) => {
+                        text(StatusCode::NOT_IMPLEMENTED, "log level control not available\n")
+                    }
+                },
+                _ => text(StatusCode::NOT_FOUND, "endpoints: /config_dump /logging?level=...\n"),
+            }
+        }
+    })));
+    tracing::info!(outbound = %bound.outbound, inbound = %bound.inbound, plaintext = %bound.inbound_plaintext,
+        metrics = %bound.metrics, readiness = %bound.readiness, admin = %bound.admin, node = %cfg.node_name,
+        "listening");
+    Ok(Running {
+        bound,
+        ctx,
+        store,
+        registry,
+        ready,
+        drain_timeout: Duration::from_secs(cfg.drain_timeout_secs),
+        tasks,
+    })
+}
+
+fn config_dump(cfg: &Config, store: &CertStore, ctx: &Ctx) -> serde_json::Value {
+    let b = crate::mb::backend_choice();
+    let certs: Vec<_> = store
+        .snapshot()
+        .iter()
+        .map(|c| {
+            json!({
+                "identity": c.identity.to_string(),
+                "serial": c.serial,
+                "algorithm": c.algorithm,
+                "not_before": humantime(c.not_before),
+                "not_after": humantime(c.not_after),
+                "renew_at": humantime(c.refresh_at()),
+            })
+        })
+        .collect();
+    json!({
+        "config": cfg,
+        "local_workloads": ctx.state.local_workloads().map(|w| w.uid.clone()).collect::<Vec<_>>(),
+        "certificates": certs,
+        "root_certificate": store.root_pem(),
+        "signer": {
+            "backend": b.backend.to_string(),
+            "cpu_features": b.features.to_string(),
+            "reason": b.reason,
+        },
+        "hbone_pool_connections": ctx.pool.len(),
+        "active_connections": ctx.drain.active(),
+        "draining": ctx.drain.is_draining(),
+    })
+}
+
+impl Running {
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Acquire)
+    }
+
+    /// Waits until ready (or `timeout`).
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let end = tokio::time::Instant::now() + timeout;
+        while tokio::time::Instant::now() < end {
+            if self.is_ready() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+
+    /// The metrics in Prometheus text format.
+    pub fn metrics_text(&self) -> String {
+        let mut s = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut s, &self.registry);
+        s
+    }
+
+    /// Stops accepting, sends GOAWAY on HBONE connections, waits for in-flight connections up to
+    /// the drain deadline. Returns how many were still open.
+    pub async fn shutdown(self) -> usize {
+        tracing::info!(active = self.ctx.drain.active(), "draining");
+        self.ctx.drain.start();
+        let left = self.ctx.drain.wait_idle(self.drain_timeout).await;
+        if left > 0 {
+            tracing::warn!(left, "drain deadline reached; closing remaining connections");
+        } else {
+            tracing::info!("drained");
+        }
+        for t in self.tasks {
+            t.abort();
+        }
+        left
+    }
+}

@@ -1,0 +1,135 @@
+//! Outbound (15001): a local workload's connection, captured by redirect, goes to its original
+//! destination — over HBONE to the destination node for mesh workloads, directly otherwise.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpStream;
+use tracing::Instrument;
+
+use super::socket::{dial, original_dst, DialOpts};
+use super::{copy_both, ConnRecord, Ctx};
+use crate::config::Protocol;
+use crate::hbone::HboneError;
+use crate::hbone::{ConnectHeaders, PoolKey};
+use crate::metrics::{Reporter, SecurityPolicy};
+
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
+    let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let redirected = original_dst(&client);
+    let dst = match redirected.or_else(|| client.local_addr().ok()) {
+        Some(d) => d,
+        None => return,
+    };
+    let span = tracing::info_span!("outbound", id, src = %peer, dst = %dst);
+    async move {
+        let upstream = match ctx.state.resolve(dst) {
+            Ok(u) => u,
+            Err(e) => {
+                ctx.metrics.refuse("no_route");
+                tracing::warn!(error = %e, "no route for destination");
+                return;
+            }
+        };
+        // A redirected connection to the proxy's own ports, or a passthrough to them, is a loop.
+        let is_own = ctx
+            .own_addrs
+            .iter()
+            .any(|a| *a == dst || (a.ip().is_unspecified() && a.port() == dst.port()));
+        if is_own && (redirected.is_some() || upstream.is_none()) {
+            ctx.metrics.refuse("loop");
+            tracing::warn!("refused: connection to the proxy's own listener would loop");
+            return;
+        }
+        let src_wl = ctx.state.local_workload_by_ip(peer.ip()).cloned();
+        let Some(upstream) = upstream else {
+            // Not a mesh destination: pass through unchanged.
+            let rec = ConnRecord::open(
+                &ctx,
+                Reporter::source,
+                peer,
+                dst,
+                src_wl
+                    .as_ref()
+                    .map(|w| ctx.state.identity_of(w).to_string())
+                    .unwrap_or_else(|| "unknown".into()),
+                "unknown".into(),
+                src_wl.as_ref().map(|w| w.name.clone()).unwrap_or_else(|| "unknown".into()),
+                "unknown".into(),
+                SecurityPolicy::unknown,
+            );
+            match dial(dst, DialOpts { mark: ctx.mark, source: None }).await {
+                Ok(mut up) => {
+                    let (rx, tx, r) = copy_both(&mut client, &mut up).await;
+                    rec.close(rx, tx, r);
+                }
+                Err(e) => rec.close(0, 0, Err(format!("connect {dst}: {e}"))),
+            }
+            return;
+        };
+        let Some(src_wl) = src_wl else {
+            ctx.metrics.refuse("unknown_source");
+            tracing::warn!(source = %peer.ip(), "refused: source is not a workload on this node");
+            return;
+        };
+        let src_id = ctx.state.identity_of(&src_wl);
+        let dst_id = upstream.identity.clone();
+        let (policy, hop) = match upstream.protocol {
+            Protocol::Hbone => (SecurityPolicy::mutual_tls, upstream.hbone_addr),
+            Protocol::Tcp => (SecurityPolicy::unknown, upstream.target),
+        };
+        let rec = ConnRecord::open(
+            &ctx,
+            Reporter::source,
+            peer,
+            upstream.target,
+            src_id.to_string(),
+            dst_id.to_string(),
+            src_wl.name.clone(),
+            upstream.workload.name.clone(),
+            policy,
+        );
+        match upstream.protocol {
+            Protocol::Tcp => {
+                match dial(upstream.target, DialOpts { mark: ctx.mark, source: None }).await {
+                    Ok(mut up) => {
+                        let (rx, tx, r) = copy_both(&mut client, &mut up).await;
+                        rec.close(rx, tx, r);
+                    }
+                    Err(e) => rec.close(0, 0, Err(format!("connect {}: {e}", upstream.target))),
+                }
+            }
+            Protocol::Hbone => {
+                let key = PoolKey { src_id, dst_id, dst: hop, src_ip: peer.ip() };
+                let headers = ConnectHeaders {
+                    source: peer,
+                    baggage: format!(
+                        "k8s.namespace.name={},k8s.workload.name={},service.name={}",
+                        src_wl.namespace, src_wl.name, src_wl.name
+                    ),
+                };
+                match ctx.pool.tunnel(&key, upstream.target, &headers).await {
+                    Ok(tunnel) => {
+                        let mut tunnel = hyper_util::rt::TokioIo::new(tunnel);
+                        let (rx, tx, r) = copy_both(&mut client, &mut tunnel).await;
+                        rec.close(rx, tx, r);
+                    }
+                    Err(e) => {
+                        if matches!(e, HboneError::Tls(_)) {
+                            ctx.metrics.refuse("tls_handshake");
+                        }
+                        rec.close(
+                            0,
+                            0,
+                            Err(format!("HBONE to {hop} for {}: {e}", upstream.target)),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}

@@ -1,0 +1,89 @@
+//! Socket helpers: listeners with `IP_TRANSPARENT` where allowed, original destination recovery,
+//! outbound sockets with `SO_MARK` and an optional spoofed source address.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use socket2::{Domain, Protocol, SockRef, Socket, Type};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+/// Binds a TCP listener. With `transparent`, tries `IP_TRANSPARENT` (needs CAP_NET_ADMIN) and
+/// warns once when it is not allowed.
+pub fn listen(addr: SocketAddr, transparent: bool) -> std::io::Result<TcpListener> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    s.set_nonblocking(true)?;
+    if transparent {
+        set_transparent(&s, addr.is_ipv4());
+    }
+    s.bind(&addr.into())?;
+    s.listen(1024)?;
+    TcpListener::from_std(s.into())
+}
+
+static TRANSPARENT_WARNED: AtomicBool = AtomicBool::new(false);
+
+fn set_transparent(s: &Socket, v4: bool) -> bool {
+    let r = if v4 { s.set_ip_transparent_v4(true) } else { s.set_ip_transparent_v6(true) };
+    match r {
+        Ok(()) => true,
+        Err(e) => {
+            if !TRANSPARENT_WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %e,
+                    "IP_TRANSPARENT not allowed (needs CAP_NET_ADMIN): applications will see the proxy's address as the source");
+            }
+            false
+        }
+    }
+}
+
+/// The original destination of a redirected connection (`SO_ORIGINAL_DST`, IPv4 or IPv6), or
+/// `None` when the connection was not NAT-redirected.
+pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
+    let r = SockRef::from(s);
+    let local = s.local_addr().ok()?;
+    let a = if local.is_ipv4() { r.original_dst_v4() } else { r.original_dst_v6() };
+    a.ok().and_then(|a| a.as_socket())
+}
+
+/// Options for sockets the proxy opens toward the network.
+#[derive(Clone, Copy, Debug)]
+pub struct DialOpts {
+    pub mark: u32,
+    /// Source address to present (kept only when `IP_TRANSPARENT` or a local address allows it).
+    pub source: Option<IpAddr>,
+}
+
+/// Connects to `dst` with `SO_MARK` (so redirect rules skip the proxy's own traffic) and, when
+/// asked, from `source` (`IP_TRANSPARENT`) so that the destination sees the original client.
+pub async fn dial(dst: SocketAddr, opts: DialOpts) -> std::io::Result<TcpStream> {
+    let sock = if dst.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    {
+        let r = SockRef::from(&sock);
+        if opts.mark != 0 {
+            // Needs CAP_NET_ADMIN; without it redirect rules cannot tell our traffic apart.
+            if let Err(e) = r.set_mark(opts.mark) {
+                tracing::debug!(error = %e, "SO_MARK not set");
+            }
+        }
+        r.set_tcp_nodelay(true)?;
+    }
+    if let Some(src) = opts.source.filter(|s| s.is_ipv4() == dst.is_ipv4()) {
+        let r = SockRef::from(&sock);
+        let _ = if src.is_ipv4() {
+            r.set_ip_transparent_v4(true)
+        } else {
+            r.set_ip_transparent_v6(true)
+        };
+        if let Err(e) = sock.bind(SocketAddr::new(src, 0)) {
+            tracing::debug!(error = %e, source = %src, "cannot bind original source; using the proxy's address");
+            // A failed bind leaves the socket unusable for a new bind: start over unbound.
+            let sock = if dst.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+            if opts.mark != 0 {
+                let _ = SockRef::from(&sock).set_mark(opts.mark);
+            }
+            return sock.connect(dst).await;
+        }
+    }
+    sock.connect(dst).await
+}
