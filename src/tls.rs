@@ -255,10 +255,8 @@ impl TlsProvider {
 }
 
 fn handshake_error_text<S>(e: &tokio_boring::HandshakeError<S>) -> String {
-    if let Some(v) = e.ssl().map(|s| s.verify_result()) {
-        if let Err(v) = v {
-            return format!("certificate verification failed: {v}");
-        }
+    if let Some(Err(v)) = e.ssl().map(|s| s.verify_result()) {
+        return format!("certificate verification failed: {v}");
     }
     match e.as_io_error() {
         Some(io) => format!("{io}"),

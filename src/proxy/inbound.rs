@@ -88,15 +88,15 @@ async fn serve_connect(
         Ok(t) => t,
         Err(e) => return refuse(e),
     };
+    let Some(dst_wl) = ctx.state.local_workload_by_ip(target.ip()).cloned() else {
+        return refuse(ConnectRefusal::UnknownTarget(target));
+    };
     if target.ip() != reached.ip() {
         return refuse(ConnectRefusal::AddressMismatch {
             authority: target.ip(),
             reached: reached.ip(),
         });
     }
-    let Some(dst_wl) = ctx.state.local_workload_by_ip(target.ip()).cloned() else {
-        return refuse(ConnectRefusal::UnknownTarget(target));
-    };
     let source = ctx.transparent.then_some(peer.ip());
     let upstream = match dial(target, DialOpts { mark: ctx.mark, source }).await {
         Ok(u) => u,
