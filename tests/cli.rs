@@ -1,0 +1,69 @@
+//! The binary as a user meets it: help, version, config errors, SIGTERM.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mbtunnel"))
+}
+
+#[test]
+fn version_and_help() {
+    let out = bin().arg("version").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("mbtunnel "));
+    let help = String::from_utf8(bin().args(["run", "--help"]).output().unwrap().stdout).unwrap();
+    for opt in [
+        "--config",
+        "--node-name",
+        "--key-algorithm",
+        "--signer-backend",
+        "--log-format",
+        "MBTUNNEL_CONFIG",
+    ] {
+        assert!(help.contains(opt), "help lacks {opt}:\n{help}");
+    }
+}
+
+#[test]
+fn config_errors_name_the_file_and_field() {
+    let out = bin().args(["run", "--config", "/nonexistent/x.yaml"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/nonexistent/x.yaml"), "{err}");
+    let f = std::env::temp_dir().join(format!("mbt-cli-{}.yaml", std::process::id()));
+    std::fs::write(&f, "node_name: a\nlisten_everywhere: true\n").unwrap();
+    let out = bin().arg("run").arg("--config").arg(&f).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("listen_everywhere"), "{err}");
+    let _ = std::fs::remove_file(f);
+}
+
+#[test]
+fn sigterm_drains_and_exits_zero() {
+    let dir = std::env::temp_dir().join(format!("mbt-cli-run-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("n.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "node_name: n\nca_dir: {}/ca\noutbound_addr: 127.0.21.1:0\ninbound_addr: 127.0.21.1:0\n\
+             inbound_plaintext_addr: 127.0.21.1:0\nmetrics_addr: 127.0.21.1:0\nreadiness_addr: 127.0.21.1:0\n\
+             admin_addr: 127.0.21.1:0\nlog_format: json\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let mut child =
+        bin().arg("run").arg("--config").arg(&cfg).stderr(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "exit status {status:?}");
+    let mut log = String::new();
+    use std::io::Read;
+    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    assert!(log.contains("SIGTERM received") && log.contains("drained"), "{log}");
+    assert!(log.lines().any(|l| l.starts_with('{')), "json log format: {log}");
+    let _ = std::fs::remove_dir_all(dir);
+}
