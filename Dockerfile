@@ -1,0 +1,36 @@
+# syntax=docker/dockerfile:1
+# mbtunnel node proxy image: `make image` (IMAGE=mbtunnel:0.1.0 by default).
+# tests/deploy.rs checks this file: the build stage installs through scripts/deps.sh, the two
+# stages share a Debian release, and EXPOSE lists the binary's default listener ports.
+
+# Build stage: the Rust toolchain on Debian 12, the same packages `make` installs, a release build.
+ARG RUST_VERSION=1.95
+FROM rust:${RUST_VERSION}-bookworm AS build
+WORKDIR /src
+# System packages come from scripts/deps.sh, the project's one list (cmake, clang, … for BoringSSL).
+COPY scripts/deps.sh scripts/deps.sh
+RUN ./scripts/deps.sh && rm -rf /var/lib/apt/lists/*
+COPY . .
+# Cargo's registry and target directory are BuildKit caches, so a rebuild after a source change
+# does not rebuild BoringSSL. The binary is copied out of the cache; its debug info is stripped
+# (symbol names stay, so backtraces still name functions).
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked \
+    && cp target/release/mbtunnel /usr/local/bin/mbtunnel \
+    && strip --strip-debug /usr/local/bin/mbtunnel
+
+# Runtime stage: Debian 12 slim (the glibc and libstdc++ the binary was linked against), the binary
+# and nothing else: no compiler, no package lists. No ca-certificates either: the proxy trusts only
+# the mesh root it is given, never the system store.
+FROM debian:bookworm-slim AS runtime
+COPY --from=build /usr/local/bin/mbtunnel /usr/local/bin/mbtunnel
+# outbound, inbound plaintext, inbound HBONE, metrics, readiness (admin stays on 127.0.0.1:15000).
+EXPOSE 15001 15006 15008 15020 15021
+# Runs as root on purpose. The redirect modes need NET_ADMIN (IP_TRANSPARENT, SO_MARK, iptables in
+# pod namespaces), NET_RAW and, for in-pod and eBPF, SYS_ADMIN. A container runtime grants added
+# capabilities to a root process only: Kubernetes has no ambient capabilities for other users, and
+# file capabilities on the binary would make it fail to start wherever a capability is dropped.
+# deploy/daemonset.yaml drops every other capability and makes the root filesystem read-only.
+ENTRYPOINT ["/usr/local/bin/mbtunnel"]
+CMD ["run"]

@@ -1,0 +1,384 @@
+//! The shipping artifacts checked against the code they ship, so that neither drifts:
+//! - `Dockerfile`: the build stage installs through `scripts/deps.sh` (or exactly its list), the
+//!   runtime stage carries only the binary on the same Debian release, `EXPOSE` lists the default
+//!   listener ports.
+//! - `deploy/`: the ConfigMap parses with the proxy's own parser and, started in-process, serves
+//!   the probe and scrape paths the DaemonSet uses; container ports, probes, scrape annotations,
+//!   the termination grace period, the CA mounts and the signer thread env follow the config.
+//!
+//! Kubernetes schema validation and the env-name check against `mbtunnel run --help` are in
+//! `scripts/validate-deploy.sh` (`make validate-deploy`).
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use mbtunnel::config::Config;
+use serde::Deserialize;
+use serde_yaml::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// Ports a pod must expose: every listener that is not bound to loopback.
+fn exposed_ports(c: &Config) -> BTreeSet<u16> {
+    [
+        c.outbound_addr,
+        c.inbound_addr,
+        c.inbound_plaintext_addr,
+        c.metrics_addr,
+        c.readiness_addr,
+        c.admin_addr,
+    ]
+    .iter()
+    .filter(|a| !a.ip().is_loopback())
+    .map(|a| a.port())
+    .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dockerfile
+
+/// One Dockerfile instruction: keyword (upper case) and its arguments, continuations joined.
+fn instructions(text: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    for line in text.lines() {
+        let t = line.trim();
+        if cur.is_empty() && (t.is_empty() || t.starts_with('#')) {
+            continue;
+        }
+        if let Some(body) = t.strip_suffix('\\') {
+            cur.push_str(body);
+            cur.push(' ');
+            continue;
+        }
+        cur.push_str(t);
+        let (kw, args) = cur.split_once(char::is_whitespace).unwrap_or((&cur, ""));
+        out.push((kw.to_ascii_uppercase(), args.trim().to_string()));
+        cur.clear();
+    }
+    out
+}
+
+/// Instructions grouped by stage (a stage starts at each FROM).
+fn stages(text: &str) -> Vec<Vec<(String, String)>> {
+    let mut out: Vec<Vec<(String, String)>> = Vec::new();
+    for (kw, args) in instructions(text) {
+        if kw == "FROM" {
+            out.push(Vec::new());
+        }
+        if let Some(s) = out.last_mut() {
+            s.push((kw, args));
+        }
+    }
+    out
+}
+
+fn deps_list() -> BTreeSet<String> {
+    let out = Command::new(root().join("scripts/deps.sh")).arg("--list").output().unwrap();
+    assert!(out.status.success(), "scripts/deps.sh --list failed");
+    String::from_utf8(out.stdout).unwrap().split_whitespace().map(String::from).collect()
+}
+
+/// Package names of every `apt-get install` in a RUN line.
+fn apt_installs(run: &str) -> Vec<BTreeSet<String>> {
+    run.split("&&")
+        .filter_map(|cmd| {
+            let words: Vec<&str> = cmd.split_whitespace().collect();
+            let i = words.iter().position(|w| *w == "install")?;
+            words[..i].iter().any(|w| w.ends_with("apt-get") || *w == "apt").then(|| {
+                words[i + 1..]
+                    .iter()
+                    .filter(|w| !w.starts_with('-'))
+                    .map(|w| w.to_string())
+                    .collect()
+            })
+        })
+        .collect()
+}
+
+/// The Debian release a base image is built on (`rust:1.95-bookworm`, `debian:bookworm-slim`).
+fn debian_release(image: &str) -> Option<&'static str> {
+    ["bookworm", "trixie", "bullseye"].into_iter().find(|r| image.contains(r))
+}
+
+#[test]
+fn dockerfile_build_stage_uses_the_dependency_script() {
+    let st = stages(&read("Dockerfile"));
+    assert!(st.len() >= 2, "multi-stage build expected");
+    let build = &st[0];
+    let runs: Vec<&str> =
+        build.iter().filter(|(k, _)| k == "RUN").map(|(_, a)| a.as_str()).collect();
+    let via_script = runs.iter().any(|r| r.contains("scripts/deps.sh"));
+    let inline: Vec<_> = runs.iter().flat_map(|r| apt_installs(r)).collect();
+    assert!(via_script || !inline.is_empty(), "build stage installs no system packages");
+    if via_script {
+        assert!(
+            build.iter().any(|(k, a)| k == "COPY" && a.contains("scripts/deps.sh")),
+            "build stage runs scripts/deps.sh without copying it in"
+        );
+    }
+    for pkgs in inline {
+        assert_eq!(pkgs, deps_list(), "an inline apt list must equal scripts/deps.sh --list");
+    }
+    assert!(
+        runs.iter().any(|r| r.contains("cargo build --release --locked")),
+        "build stage must build the release binary from the lockfile"
+    );
+}
+
+#[test]
+fn dockerfile_runtime_stage_is_minimal_and_runs_the_binary() {
+    let st = stages(&read("Dockerfile"));
+    let (build, run) = (&st[0], st.last().unwrap());
+    let from = |s: &[(String, String)]| s[0].1.split_whitespace().next().unwrap().to_string();
+    let (build_img, run_img) = (from(build), from(run));
+    assert!(
+        run_img.contains("-slim") || run_img.contains("distroless"),
+        "runtime base {run_img} is not slim or distroless"
+    );
+    // Same Debian release: the binary links glibc and libstdc++ dynamically.
+    assert_eq!(
+        debian_release(&build_img),
+        debian_release(&run_img),
+        "build ({build_img}) and runtime ({run_img}) must share a Debian release"
+    );
+    assert!(debian_release(&run_img).is_some(), "runtime base names no Debian release");
+    for (k, a) in run {
+        assert!(
+            !(k == "RUN" && (a.contains("cargo") || a.contains("rustc") || a.contains("gcc"))),
+            "runtime stage must carry no toolchain: {k} {a}"
+        );
+    }
+    let get = |kw: &str| run.iter().rev().find(|(k, _)| k == kw).map(|(_, a)| a.clone());
+    let entry = get("ENTRYPOINT").expect("ENTRYPOINT");
+    assert!(entry.starts_with('[') && entry.contains("mbtunnel"), "ENTRYPOINT {entry}");
+    assert_eq!(get("CMD").as_deref(), Some(r#"["run"]"#));
+}
+
+#[test]
+fn dockerfile_exposes_the_default_listener_ports() {
+    let st = stages(&read("Dockerfile"));
+    let exposed: BTreeSet<u16> = st
+        .last()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k == "EXPOSE")
+        .flat_map(|(_, a)| {
+            a.split_whitespace().map(|p| p.trim_end_matches("/tcp").parse().unwrap())
+        })
+        .collect();
+    assert_eq!(exposed, exposed_ports(&Config::default()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// deploy/
+
+fn docs(rel: &str) -> Vec<Value> {
+    let text = read(rel);
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| Value::deserialize(d).unwrap_or_else(|e| panic!("{rel}: {e}")))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn kind_of<'a>(rel: &str, kind: &str, all: &'a [Value]) -> &'a Value {
+    all.iter().find(|d| d["kind"] == kind).unwrap_or_else(|| panic!("{rel}: no {kind}"))
+}
+
+fn str_of(v: &Value) -> &str {
+    v.as_str().unwrap_or_else(|| panic!("not a string: {v:?}"))
+}
+
+fn configmap_text() -> String {
+    let all = docs("deploy/configmap.yaml");
+    str_of(&kind_of("configmap", "ConfigMap", &all)["data"]["config.yaml"]).to_string()
+}
+
+fn configmap_config() -> Config {
+    Config::from_yaml(&configmap_text(), Path::new("deploy/configmap.yaml config.yaml"))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn daemonset() -> Value {
+    let all = docs("deploy/daemonset.yaml");
+    kind_of("daemonset", "DaemonSet", &all).clone()
+}
+
+fn container(ds: &Value) -> &Value {
+    let cs = ds["spec"]["template"]["spec"]["containers"].as_sequence().unwrap();
+    cs.iter().find(|c| c["name"] == "mbtunnel").expect("container mbtunnel")
+}
+
+fn env_of<'a>(c: &'a Value, name: &str) -> Option<&'a Value> {
+    c["env"].as_sequence()?.iter().find(|e| e["name"] == name)
+}
+
+#[test]
+fn configmap_parses_with_the_proxys_parser_and_env() {
+    let mut cfg = configmap_config();
+    // The DaemonSet's literal env values must be accepted as the binary would apply them.
+    let ds = daemonset();
+    let c = container(&ds);
+    let literal = |k: &str| env_of(c, k).and_then(|e| e["value"].as_str()).map(String::from);
+    cfg.apply_env(|k| literal(k).or_else(|| (k == "NODE_NAME").then(|| "node-2".into())))
+        .unwrap_or_else(|e| panic!("DaemonSet env rejected: {e}"));
+    // The image's EXPOSE (the defaults) must be what the deployed config listens on.
+    assert_eq!(exposed_ports(&cfg), exposed_ports(&Config::default()));
+    // The config file the binary is pointed at is the ConfigMap's key, mounted.
+    let path = literal(mbtunnel::config::env::CONFIG).expect("MBTUNNEL_CONFIG set");
+    let mount = c["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == "config")
+        .expect("config volume mounted");
+    assert_eq!(Path::new(&path), Path::new(str_of(&mount["mountPath"])).join("config.yaml"));
+}
+
+#[test]
+fn daemonset_ports_probes_and_scrape_follow_the_config() {
+    let cfg = configmap_config();
+    let ds = daemonset();
+    let c = container(&ds);
+    let ports: BTreeSet<u16> = c["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p["containerPort"].as_u64().unwrap() as u16)
+        .collect();
+    assert_eq!(ports, exposed_ports(&cfg), "containerPorts");
+    for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
+        let g = &c[probe]["httpGet"];
+        assert_eq!(g["port"].as_u64(), Some(cfg.readiness_addr.port() as u64), "{probe} port");
+        assert_eq!(g["path"], "/healthz/ready", "{probe} path");
+    }
+    let ann = &ds["spec"]["template"]["metadata"]["annotations"];
+    assert_eq!(ann["prometheus.io/scrape"], "true");
+    assert_eq!(ann["prometheus.io/port"], cfg.metrics_addr.port().to_string().as_str());
+    assert_eq!(ann["prometheus.io/path"], "/metrics");
+}
+
+#[test]
+fn termination_grace_covers_the_drain() {
+    let drain = configmap_config().drain_timeout_secs;
+    let grace = daemonset()["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        .as_u64()
+        .expect("terminationGracePeriodSeconds");
+    assert!(
+        (drain + 5..=drain + 30).contains(&grace),
+        "terminationGracePeriodSeconds {grace} must be drain_timeout_secs {drain} + 5..30"
+    );
+}
+
+#[test]
+fn rollout_is_node_by_node() {
+    let ds = daemonset();
+    let s = &ds["spec"]["updateStrategy"];
+    assert_eq!(s["type"], "RollingUpdate");
+    assert!(!s["rollingUpdate"]["maxUnavailable"].is_null(), "maxUnavailable set");
+    assert_eq!(s["rollingUpdate"]["maxSurge"].as_u64(), Some(0), "never two proxies per node");
+}
+
+#[test]
+fn signer_threads_follow_the_cpu_limit() {
+    let ds = daemonset();
+    let c = container(&ds);
+    assert!(!c["resources"]["limits"]["cpu"].is_null(), "a CPU limit is set");
+    let e = env_of(c, "MBTUNNEL_SIGNER_THREADS").expect("MBTUNNEL_SIGNER_THREADS");
+    let r = &e["valueFrom"]["resourceFieldRef"];
+    assert_eq!(r["resource"], "limits.cpu");
+    assert_eq!(r["containerName"], "mbtunnel");
+    assert_eq!(r["divisor"], "1", "whole CPUs, rounded up");
+}
+
+#[test]
+fn ca_root_files_are_mounted_into_the_config_ca_dir() {
+    use mbtunnel::identity::ca::{ROOT_CERT_FILE, ROOT_KEY_FILE};
+    let cfg = configmap_config();
+    let ds = daemonset();
+    let mounts = container(&ds)["volumeMounts"].as_sequence().unwrap().clone();
+    let dir = mounts.iter().find(|m| m["name"] == "ca").expect("ca mount");
+    assert_eq!(Path::new(str_of(&dir["mountPath"])), cfg.ca_dir);
+    assert_ne!(dir["readOnly"], true, "the CA directory must be writable (lock file)");
+    for f in [ROOT_CERT_FILE, ROOT_KEY_FILE] {
+        let m = mounts
+            .iter()
+            .find(|m| m["name"] == "ca-root" && m["subPath"] == f)
+            .unwrap_or_else(|| panic!("{f} not mounted from the Secret"));
+        assert_eq!(Path::new(str_of(&m["mountPath"])), cfg.ca_dir.join(f));
+    }
+}
+
+#[test]
+fn kustomization_lists_every_manifest() {
+    let k = &docs("deploy/kustomization.yaml")[0];
+    let listed: BTreeSet<String> =
+        k["resources"].as_sequence().unwrap().iter().map(|r| str_of(r).to_string()).collect();
+    let on_disk: BTreeSet<String> = std::fs::read_dir(root().join("deploy"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.ends_with(".yaml") && n != "kustomization.yaml")
+        .collect();
+    assert_eq!(listed, on_disk);
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    let status = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, buf)
+}
+
+/// The ConfigMap's config, as node-2, on loopback, with a root made by `scripts/make-ca.sh` (what
+/// the README tells operators to put in the Secret): it becomes ready and serves the probe and
+/// scrape paths the DaemonSet uses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configmap_config_runs_with_a_make_ca_root() {
+    let dir = std::env::temp_dir().join(format!("mbt-deploy-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ca = dir.join("ca");
+    let made = Command::new(root().join("scripts/make-ca.sh")).arg(&ca).output();
+    match made {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => {
+            // Without openssl the script cannot run: the proxy then makes its own root.
+            eprintln!("skipping make-ca.sh root: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        Err(e) => eprintln!("skipping make-ca.sh root: {e}"),
+    }
+    let mut cfg = configmap_config();
+    cfg.node_name = "node-2".into();
+    cfg.ca_dir = ca.clone();
+    let lo: SocketAddr = "127.0.61.1:0".parse().unwrap();
+    cfg.outbound_addr = lo;
+    cfg.inbound_addr = lo;
+    cfg.inbound_plaintext_addr = lo;
+    cfg.metrics_addr = lo;
+    cfg.readiness_addr = lo;
+    cfg.admin_addr = lo;
+    let running = mbtunnel::app::start(cfg, None).await.expect("start");
+    assert!(running.wait_ready(Duration::from_secs(20)).await, "not ready in 20 s");
+    let (code, body) = http_get(running.bound.readiness, "/healthz/ready").await;
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = http_get(running.bound.metrics, "/metrics").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("mbtunnel_signer_backend_info"), "{body}");
+    let id = "spiffe://cluster.local/ns/demo/sa/echo".parse().unwrap();
+    let cert = running.store.fetch(&id).expect("node-2 holds echo's certificate");
+    drop(cert);
+    running.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
