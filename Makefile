@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: deps build demo test lint bench speed clean
+.PHONY: deps build demo test lint bench speed clean image validate-deploy fuzz fuzz-smoke
 
 deps:
 	@./scripts/deps.sh
@@ -20,6 +20,8 @@ test: deps
 	$(CARGO) test --release --locked --all-targets
 	$(CARGO) build --release --locked
 	./scripts/demo.sh
+	./scripts/validate-deploy.sh
+	./scripts/fuzz.sh $(FUZZ_SMOKE_SECONDS)
 
 lint: deps
 	$(CARGO) fmt --all -- --check
@@ -30,3 +32,24 @@ bench: deps
 
 clean:
 	$(CARGO) clean
+
+# Container image (needs a Docker engine; none runs on our build machines).
+IMAGE ?= mbtunnel:0.1.0
+image:
+	docker build -t $(IMAGE) .
+
+# deploy/ against the Kubernetes schemas (offline) and the binary; tests/deploy.rs checks ports,
+# probes and the ConfigMap's config against the config parser.
+validate-deploy: build
+	./scripts/validate-deploy.sh
+	$(CARGO) test --release --locked --test deploy
+
+# Fuzz targets in fuzz/ (cargo-fuzz, built in fuzz/target): each runs FUZZ_SECONDS.
+FUZZ_SECONDS ?= 60
+fuzz: deps
+	./scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# The same, a few seconds per target: proves they build and run.
+FUZZ_SMOKE_SECONDS ?= 5
+fuzz-smoke: deps
+	./scripts/fuzz.sh $(FUZZ_SMOKE_SECONDS)
