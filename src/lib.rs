@@ -2,3 +2,4 @@
 //! a shared batching signer running an AVX-512 IFMA multi-buffer RSA / ECDSA core.
 
 pub mod mb;
+pub mod speed;

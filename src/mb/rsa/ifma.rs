@@ -13,6 +13,21 @@
 
 use crate::mb::simd::{U64x8, MASK52};
 
+/// Expands `$body` once per index `0..80` with `$j` bound to that index, keeping only indices
+/// below `$n` (a constant after monomorphisation, so the guards fold away). Used to fully unroll
+/// limb loops so that the accumulator window of a Montgomery step lives in registers.
+macro_rules! unroll80 {
+    ($j:ident < $n:expr => $body:block) => {
+        unroll80!(@go $j, $n, $body, [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79])
+    };
+    (@go $j:ident, $n:expr, $body:block, [$($k:literal)*]) => {
+        $({
+            let $j: usize = $k;
+            if $j < $n $body
+        })*
+    };
+}
+
 /// Numbers in radix 2^52, limb-major, eight lanes: `N52x8<L>[j]` = limb `j` of every lane.
 pub(crate) type N52x8<const L: usize> = [U64x8; L];
 
@@ -109,13 +124,13 @@ pub(crate) fn amm<const L: usize>(a: &N52x8<L>, b: &N52x8<L>, m: &N52x8<L>, k0: 
         let t0 = acc[0].madd52lo(ai, b[0]);
         let u = z.madd52lo(t0, k0);
         let carry = t0.madd52lo(u, m[0]).shr::<52>();
-        for j in 0..L - 1 {
+        unroll80!(j < L - 1 => {
             acc[j] = acc[j + 1]
                 .madd52lo(ai, b[j + 1])
                 .madd52hi(ai, b[j])
                 .madd52lo(u, m[j + 1])
                 .madd52hi(u, m[j]);
-        }
+        });
         acc[L - 1] = z.madd52hi(ai, b[L - 1]).madd52hi(u, m[L - 1]);
         acc[0] = acc[0].add(carry);
     }
@@ -145,9 +160,15 @@ fn redc<const L: usize, const L2: usize>(t: &mut N52x8<L2>, m: &N52x8<L>, k0: U6
     out
 }
 
-/// Almost Montgomery squaring: `a²·R⁻¹ mod m`, result < 2m. Each cross product `a_i·a_j`
-/// (`i < j`) is computed once and the sum doubled, then the diagonal is added: `L² + L` IFMA for
-/// the square instead of `2L²`, plus `2L²` for the reduction. `L2` must be `2·L`.
+/// Almost Montgomery squaring: `a²·R⁻¹ mod m`, result < 2m, for normalised `a < 2m`.
+///
+/// Same rolling register window as [`amm`], with a row-dependent second operand: row `i` adds
+/// `a_i · B⁽ⁱ⁾` where `B⁽ⁱ⁾ = a_i·2^(52i) + 2·Σ_{j>i} a_j·2^(52j)` (digits: `a_i` at `i`, the
+/// un-carried `2a_{i+1} mod 2^52` at `i+1`, the normalised digits of `2a` above). Summed over the
+/// rows this is exactly `a²`, and each cross product is computed once. Rows run in eight blocks;
+/// inside block `k` the digits below the block start are known zero at compile time and are
+/// skipped, so the square costs about `1.1·L²` IFMA instead of `2L²` (plus `2L²` for the
+/// reduction). `L2` must be `2·L` (scratch for the `L + 1` digits of `B`).
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn amsqr<const L: usize, const L2: usize>(
@@ -156,22 +177,53 @@ pub(crate) fn amsqr<const L: usize, const L2: usize>(
     k0: U64x8,
 ) -> N52x8<L> {
     let z = U64x8::zero();
-    let mut t = [z; L2];
-    for i in 0..L - 1 {
-        let ai = a[i];
-        // slot i+j gets lo(a_i a_j) and hi(a_i a_{j-1}), for i < j-1, j < L.
-        t[2 * i + 1] = t[2 * i + 1].madd52lo(ai, a[i + 1]);
-        for j in i + 2..L {
-            t[i + j] = t[i + j].madd52lo(ai, a[j]).madd52hi(ai, a[j - 1]);
-        }
-        t[i + L] = t[i + L].madd52hi(ai, a[L - 1]);
+    let mask = U64x8::splat(MASK52);
+    // bb = digits of 2a (normalised), L + 1 of them.
+    let mut bb = [z; L2];
+    bb[0] = a[0].shl::<1>().and(mask);
+    for j in 1..L {
+        bb[j] = a[j].shl::<1>().and(mask).add(a[j - 1].shr::<51>());
     }
-    for i in 0..L {
-        let ai = a[i];
-        t[2 * i] = t[2 * i].add(t[2 * i]).madd52lo(ai, ai);
-        t[2 * i + 1] = t[2 * i + 1].add(t[2 * i + 1]).madd52hi(ai, ai);
+    bb[L] = a[L - 1].shr::<51>();
+    let mut acc = [z; L];
+    macro_rules! block {
+        ($k:literal) => {{
+            let s = $k * L / 8;
+            for i in s..($k + 1) * L / 8 {
+                if i > 0 {
+                    bb[i - 1] = z;
+                }
+                bb[i] = a[i];
+                bb[i + 1] = if i + 1 < L { a[i + 1].shl::<1>().and(mask) } else { z };
+                let ai = a[i];
+                let t0 = if s == 0 { acc[0].madd52lo(ai, bb[0]) } else { acc[0] };
+                let u = z.madd52lo(t0, k0);
+                let carry = t0.madd52lo(u, m[0]).shr::<52>();
+                unroll80!(j < L - 1 => {
+                    let mut v = acc[j + 1];
+                    if j + 1 >= s {
+                        v = v.madd52lo(ai, bb[j + 1]);
+                    }
+                    if j >= s {
+                        v = v.madd52hi(ai, bb[j]);
+                    }
+                    acc[j] = v.madd52lo(u, m[j + 1]).madd52hi(u, m[j]);
+                });
+                acc[L - 1] = z.madd52lo(ai, bb[L]).madd52hi(ai, bb[L - 1]).madd52hi(u, m[L - 1]);
+                acc[0] = acc[0].add(carry);
+            }
+        }};
     }
-    redc::<L, L2>(&mut t, m, k0)
+    block!(0);
+    block!(1);
+    block!(2);
+    block!(3);
+    block!(4);
+    block!(5);
+    block!(6);
+    block!(7);
+    normalize(&mut acc);
+    acc
 }
 
 /// Plain product `a·b` as `2L` normalised limbs. `L2` must be `2·L`.
@@ -356,4 +408,299 @@ pub(crate) unsafe fn crt_batch<const L: usize, const L2: usize, const L4: usize>
         ok &= y[j].eq_mask(c[j]);
     }
     BatchOut { sig: scatter(&s), ok }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Every kernel against `boring::bn::BigNum` with different random values in every lane.
+    use super::*;
+    use crate::mb::rsa::{bytes_to_limbs52, ifma_k0, limbs52_to_bytes};
+    use boring::bn::{BigNum, BigNumContext};
+    use rand::{Rng, RngCore, SeedableRng};
+    use rand_chacha::ChaCha20Rng;
+
+    fn have_ifma() -> bool {
+        let ok = crate::mb::cpu_features().ifma_capable();
+        if !ok {
+            eprintln!("skipping: CPU lacks AVX-512 IFMA");
+        }
+        ok
+    }
+
+    fn rand_bn(rng: &mut ChaCha20Rng, bits: usize) -> BigNum {
+        let mut b = vec![0u8; bits.div_ceil(8)];
+        rng.fill_bytes(&mut b);
+        let extra = 8 * b.len() - bits;
+        b[0] &= 0xff >> extra;
+        BigNum::from_slice(&b).unwrap()
+    }
+
+    /// A random odd modulus of exactly `bits` bits.
+    fn rand_mod(rng: &mut ChaCha20Rng, bits: usize) -> BigNum {
+        let mut m = rand_bn(rng, bits);
+        m.set_bit(bits as i32 - 1).unwrap();
+        m.set_bit(0).unwrap();
+        m
+    }
+
+    fn below(rng: &mut ChaCha20Rng, m: &BigNum) -> BigNum {
+        let mut ctx = BigNumContext::new().unwrap();
+        let x = rand_bn(rng, m.num_bits() as usize + 8);
+        let mut r = BigNum::new().unwrap();
+        r.nnmod(&x, m, &mut ctx).unwrap();
+        r
+    }
+
+    fn limbs(x: &BigNum, l: usize) -> Vec<u64> {
+        let mut v = vec![0u64; l];
+        bytes_to_limbs52(&x.to_vec(), &mut v);
+        v
+    }
+
+    fn to_bn(l: &[u64]) -> BigNum {
+        let mut b = vec![0u8; l.len() * 52 / 8 + 1];
+        limbs52_to_bytes(l, &mut b);
+        BigNum::from_slice(&b).unwrap()
+    }
+
+    fn pack<const L: usize>(xs: &[BigNum]) -> N52x8<L> {
+        let v: Vec<Vec<u64>> = xs.iter().map(|x| limbs(x, L)).collect();
+        unsafe { gather(|i| v[i].as_slice()) }
+    }
+
+    fn unpack<const L: usize>(x: &N52x8<L>) -> Vec<BigNum> {
+        let s = unsafe { scatter(x) };
+        s.iter().map(|l| to_bn(l)).collect()
+    }
+
+    fn k0s(ms: &[BigNum]) -> U64x8 {
+        let k: Vec<u64> =
+            ms.iter().map(|m| ifma_k0(limbs(m, 2)[0] | (limbs(m, 2)[1] << 52))).collect();
+        unsafe { U64x8::from_array(k.try_into().unwrap()) }
+    }
+
+    fn r_mod(bits: usize, m: &BigNum) -> BigNum {
+        let mut ctx = BigNumContext::new().unwrap();
+        let mut r = BigNum::new().unwrap();
+        r.set_bit(bits as i32).unwrap();
+        let mut o = BigNum::new().unwrap();
+        o.nnmod(&r, m, &mut ctx).unwrap();
+        o
+    }
+
+    fn modmul(a: &BigNum, b: &BigNum, m: &BigNum) -> BigNum {
+        let mut ctx = BigNumContext::new().unwrap();
+        let mut o = BigNum::new().unwrap();
+        o.mod_mul(a, b, m, &mut ctx).unwrap();
+        o
+    }
+
+    fn eq_mod(a: &BigNum, b: &BigNum, m: &BigNum) -> bool {
+        let mut ctx = BigNumContext::new().unwrap();
+        let mut x = BigNum::new().unwrap();
+        x.nnmod(a, m, &mut ctx).unwrap();
+        let mut y = BigNum::new().unwrap();
+        y.nnmod(b, m, &mut ctx).unwrap();
+        x == y
+    }
+
+    #[test]
+    fn radix52_roundtrip() {
+        let mut rng = ChaCha20Rng::seed_from_u64(10);
+        for _ in 0..500 {
+            let len = rng.gen_range(1..520);
+            let mut b = vec![0u8; len];
+            rng.fill_bytes(&mut b);
+            let l = (8 * len).div_ceil(52);
+            let mut v = vec![0u64; l];
+            bytes_to_limbs52(&b, &mut v);
+            assert!(v.iter().all(|&x| x < 1 << 52));
+            let mut back = vec![0u8; len];
+            limbs52_to_bytes(&v, &mut back);
+            assert_eq!(b, back);
+            assert_eq!(to_bn(&v), BigNum::from_slice(&b).unwrap());
+        }
+    }
+
+    #[test]
+    fn transpose_keeps_lanes() {
+        if !have_ifma() {
+            return;
+        }
+        let mut rng = ChaCha20Rng::seed_from_u64(11);
+        let lanes: Vec<Vec<u64>> =
+            (0..8).map(|_| (0..30).map(|_| rng.gen::<u64>() & MASK52).collect()).collect();
+        let x: N52x8<30> = unsafe { gather(|i| lanes[i].as_slice()) };
+        let back = unsafe { scatter(&x) };
+        for i in 0..8 {
+            assert_eq!(&back[i][..], &lanes[i][..]);
+        }
+    }
+
+    /// AMM, squaring, reduce_once against BigNum for `cases` batches of 8 random moduli.
+    fn mont_ops<const L: usize, const L2: usize>(bits: usize, cases: usize, seed: u64) {
+        let mut rng = ChaCha20Rng::seed_from_u64(seed);
+        let rbits = 52 * L;
+        for _ in 0..cases {
+            let ms: Vec<BigNum> = (0..8).map(|_| rand_mod(&mut rng, bits)).collect();
+            // inputs below 2m (the AMM contract), lane-distinct
+            let a: Vec<BigNum> = ms
+                .iter()
+                .map(|m| {
+                    let mut x = below(&mut rng, m);
+                    if rng.gen::<bool>() {
+                        let y = x.to_owned().unwrap();
+                        x.checked_add(&y, m).unwrap();
+                    }
+                    x
+                })
+                .collect();
+            let b: Vec<BigNum> = ms.iter().map(|m| below(&mut rng, m)).collect();
+            let (va, vb, vm, k0) = (pack::<L>(&a), pack::<L>(&b), pack::<L>(&ms), k0s(&ms));
+            let prod = unpack(&unsafe { amm(&va, &vb, &vm, k0) });
+            let sq = unpack(&unsafe { amsqr::<L, L2>(&va, &vm, k0) });
+            let red = unpack(&unsafe { reduce_once(&amm(&va, &vb, &vm, k0), &vm) });
+            for i in 0..8 {
+                let m = &ms[i];
+                let mut two_m = BigNum::new().unwrap();
+                two_m.lshift1(m).unwrap();
+                let r = r_mod(rbits, m);
+                // x·R ≡ a·b  (mod m), x < 2m
+                assert!(prod[i] < two_m, "amm bound lane {i}");
+                assert!(
+                    eq_mod(&modmul(&prod[i], &r, m), &modmul(&a[i], &b[i], m), m),
+                    "amm lane {i}"
+                );
+                assert!(sq[i] < two_m, "sqr bound lane {i}");
+                assert!(
+                    eq_mod(&modmul(&sq[i], &r, m), &modmul(&a[i], &a[i], m), m),
+                    "sqr lane {i}"
+                );
+                assert!(red[i] < *m && eq_mod(&red[i], &prod[i], m), "reduce lane {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn montgomery_ops_20() {
+        if have_ifma() {
+            mont_ops::<20, 40>(1024, 150, 20);
+            mont_ops::<20, 40>(1000, 50, 21);
+        }
+    }
+
+    #[test]
+    fn montgomery_ops_30() {
+        if have_ifma() {
+            mont_ops::<30, 60>(1536, 100, 30);
+        }
+    }
+
+    #[test]
+    fn montgomery_ops_40() {
+        if have_ifma() {
+            mont_ops::<40, 80>(2048, 80, 40);
+        }
+    }
+
+    #[test]
+    fn montgomery_ops_80() {
+        if have_ifma() {
+            mont_ops::<80, 160>(4096, 20, 80);
+        }
+    }
+
+    fn modexp_case<const L: usize, const L2: usize>(
+        bits: usize,
+        w: usize,
+        cases: usize,
+        seed: u64,
+    ) {
+        let mut rng = ChaCha20Rng::seed_from_u64(seed);
+        let mut ctx = BigNumContext::new().unwrap();
+        for _ in 0..cases {
+            let ms: Vec<BigNum> = (0..8).map(|_| rand_mod(&mut rng, bits)).collect();
+            let xs: Vec<BigNum> = ms.iter().map(|m| below(&mut rng, m)).collect();
+            let es: Vec<BigNum> = (0..8).map(|_| rand_bn(&mut rng, bits)).collect();
+            let ew: Vec<Vec<u64>> = es
+                .iter()
+                .map(|e| {
+                    let be = e.to_vec();
+                    let mut w = vec![0u64; bits.div_ceil(64)];
+                    for (k, &b) in be.iter().rev().enumerate() {
+                        w[k / 8] |= (b as u64) << (8 * (k % 8));
+                    }
+                    w
+                })
+                .collect();
+            let exps: [&[u64]; 8] = core::array::from_fn(|i| ew[i].as_slice());
+            let r2: Vec<BigNum> = ms.iter().map(|m| r_mod(2 * 52 * L, m)).collect();
+            let xm: Vec<BigNum> =
+                (0..8).map(|i| modmul(&xs[i], &r_mod(52 * L, &ms[i]), &ms[i])).collect();
+            let (vm, k0, vr2, vx) = (pack::<L>(&ms), k0s(&ms), pack::<L>(&r2), pack::<L>(&xm));
+            let got = unpack(&unsafe { modexp::<L, L2>(&vx, &exps, bits, w, &vm, k0, &vr2) });
+            for i in 0..8 {
+                let mut want = BigNum::new().unwrap();
+                want.mod_exp(&xs[i], &es[i], &ms[i], &mut ctx).unwrap();
+                assert_eq!(got[i], want, "modexp lane {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn modexp_matches_bignum() {
+        if have_ifma() {
+            modexp_case::<20, 40>(1024, 4, 6, 50);
+            modexp_case::<20, 40>(1024, 5, 2, 51);
+            modexp_case::<30, 60>(1536, 5, 2, 52);
+            modexp_case::<40, 80>(2048, 5, 2, 53);
+            // exponent edge cases: short exponents (leading zero windows)
+            modexp_case::<20, 40>(64, 4, 4, 54);
+        }
+    }
+
+    #[test]
+    fn window_extraction() {
+        let e = [0x0123_4567_89ab_cdefu64, 0xfedc_ba98_7654_3210];
+        assert_eq!(window_bits(&e, 0, 4), 0xf);
+        assert_eq!(window_bits(&e, 60, 8), 0x00);
+        assert_eq!(window_bits(&e, 62, 5), (0x10 << 2 | 0x0) & 0x1f);
+        assert_eq!(window_bits(&e, 124, 5), 0xf);
+        assert_eq!(window_bits(&e, 128, 5), 0);
+    }
+
+    /// Timing of the primitives (reports, does not assert): `cargo test --release --lib
+    /// primitive_timings -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn primitive_timings() {
+        if !have_ifma() {
+            return;
+        }
+        fn t<const L: usize, const L2: usize>(bits: usize) {
+            let mut rng = ChaCha20Rng::seed_from_u64(1);
+            let ms: Vec<BigNum> = (0..8).map(|_| rand_mod(&mut rng, bits)).collect();
+            let a: Vec<BigNum> = ms.iter().map(|m| below(&mut rng, m)).collect();
+            let (mut va, vm, k0) = (pack::<L>(&a), pack::<L>(&ms), k0s(&ms));
+            let n = 2000;
+            let (mut tm, mut ts) = (f64::MAX, f64::MAX);
+            for _ in 0..15 {
+                let s = std::time::Instant::now();
+                for _ in 0..n {
+                    va = unsafe { amm(&va, &va, &vm, k0) };
+                }
+                tm = tm.min(s.elapsed().as_secs_f64() / n as f64 * 1e6);
+                let s = std::time::Instant::now();
+                for _ in 0..n {
+                    va = unsafe { amsqr::<L, L2>(&va, &vm, k0) };
+                }
+                ts = ts.min(s.elapsed().as_secs_f64() / n as f64 * 1e6);
+            }
+            let gm = 4.0 * (L * L) as f64 / tm / 1e3;
+            eprintln!("L={L}: amm {tm:.3} us ({gm:.2} G IFMA/s), amsqr {ts:.3} us");
+        }
+        t::<20, 40>(1024);
+        t::<30, 60>(1536);
+        t::<40, 80>(2048);
+    }
 }
