@@ -342,3 +342,79 @@ fn mismatched_lengths_fail_clearly() {
     let out = RsaBatch::sign_with(Backend::Scalar, &[k, k], &[b"x"], Padding::Pkcs1Sha256);
     assert!(out.iter().all(|r| matches!(r, Err(MbError::InvalidInput(_)))));
 }
+
+/// dudect-style timing check (reports, never asserts): Welch's t statistic between two input
+/// classes, samples interleaved at random. |t| well below 4.5 means no timing difference was
+/// detected at this sample size. Run: `cargo test --release --test mb_rsa dudect -- --ignored
+/// --nocapture` (pinned: prefix `taskset -c 1`).
+#[test]
+#[ignore]
+fn dudect_timing_report() {
+    if !ifma() {
+        return;
+    }
+    fn welch(a: &[f64], b: &[f64]) -> f64 {
+        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+        let var = |x: &[f64], m: f64| {
+            x.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / (x.len() - 1) as f64
+        };
+        let (ma, mb) = (mean(a), mean(b));
+        (ma - mb) / (var(a, ma) / a.len() as f64 + var(b, mb) / b.len() as f64).sqrt()
+    }
+    /// Drops the slowest 10% (preemption on a shared machine) before the test.
+    fn crop(mut v: Vec<f64>) -> Vec<f64> {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v.truncate(v.len() * 9 / 10);
+        v
+    }
+    let samples = 1500;
+    let ks = keys_of(2048);
+    let size = ks[0].size();
+    let mut rng = ChaCha20Rng::seed_from_u64(99);
+    type Batch = (Vec<&'static RsaPrivateKey>, Vec<Vec<u8>>);
+    let mut run = |name: &str, class: &mut dyn FnMut(bool, &mut ChaCha20Rng) -> Batch| {
+        let (mut t0, mut t1) = (Vec::new(), Vec::new());
+        for _ in 0..samples {
+            let c = rng.gen::<bool>();
+            let (k, reps) = class(c, &mut rng);
+            let r: Vec<&[u8]> = reps.iter().map(|v| v.as_slice()).collect();
+            let start = std::time::Instant::now();
+            let out = RsaBatch::private_op_with(Backend::Ifma, &k, &r);
+            let el = start.elapsed().as_secs_f64();
+            assert!(out.iter().all(|x| x.is_ok()));
+            if c {
+                t1.push(el)
+            } else {
+                t0.push(el)
+            }
+        }
+        let t = welch(&crop(t0), &crop(t1));
+        eprintln!("dudect {name}: t = {t:+.2} ({samples} samples; |t| < 4.5: no leak detected)");
+    };
+    // Class A: representative 0 in every lane vs random representatives, same keys.
+    run("fixed-zero vs random representative", &mut |c, rng| {
+        let k: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[i % ks.len()]).collect();
+        let reps = (0..8)
+            .map(|_| {
+                let mut v = vec![0u8; size];
+                if c {
+                    rng.fill_bytes(&mut v[1..]);
+                }
+                v
+            })
+            .collect();
+        (k, reps)
+    });
+    // Class B: the same representatives, key set 1 vs key set 2 (different secret exponents).
+    let fixed: Vec<Vec<u8>> = (0..8)
+        .map(|i| {
+            let mut v = vec![0u8; size];
+            v[1..].iter_mut().enumerate().for_each(|(j, b)| *b = (i * 31 + j) as u8);
+            v
+        })
+        .collect();
+    run("key set A vs key set B", &mut |c, _| {
+        let k: Vec<&RsaPrivateKey> = (0..8).map(|_| if c { ks[0] } else { ks[1] }).collect();
+        (k, fixed.clone())
+    });
+}
