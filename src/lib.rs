@@ -12,3 +12,4 @@ pub mod proxy;
 pub mod signer;
 pub mod state;
 pub mod tls;
+pub mod speed;
