@@ -87,25 +87,65 @@ fn fold_p(t: L52x8) -> L52x8 {
     ])
 }
 
-/// Montgomery reduction of a 10-column product T (columns < 2^60): returns T / 2^260 mod m,
-/// normalised. `K0_IS_ONE` selects the P-256 field shortcut (u = low limb); `SKIP2` skips limb 2
-/// of the modulus (zero for p).
+/// One Montgomery reduction step mod p at column `$i` (u = low 52 bits of the column since
+/// -p^-1 = 1 mod 2^52). p's limb 0 is 2^52 - 1, so `t_i + u*p_0` carries exactly
+/// `(t_i >> 52) + u` into column i+1 (no multiply); limb 2 is zero and is skipped.
+macro_rules! red_p_step {
+    ($t:ident, $i:literal, $mask:ident, $m:ident) => {{
+        let u = $t[$i].and($mask);
+        let c = $t[$i].shr::<52>().add(u);
+        $t[$i + 1] = $t[$i + 1].madd52lo(u, $m.0[1]).add(c);
+        $t[$i + 2] = $t[$i + 2].madd52hi(u, $m.0[1]);
+        $t[$i + 3] = $t[$i + 3].madd52lo(u, $m.0[3]);
+        $t[$i + 4] = $t[$i + 4].madd52hi(u, $m.0[3]).madd52lo(u, $m.0[4]);
+        $t[$i + 5] = $t[$i + 5].madd52hi(u, $m.0[4]);
+    }};
+}
+
+/// One Montgomery reduction step with a generic modulus at column `$i`. The carry out of
+/// column i is `(t_i >> 52) + [t_i mod 2^52 != 0]` (the low product makes the column ≡ 0), which
+/// is computed from t_i directly instead of waiting for `lo(u*m_0)`.
+macro_rules! red_step {
+    ($t:ident, $i:literal, $mask:ident, $m:ident, $k0:ident, $z:ident) => {{
+        let u = $z.madd52lo($t[$i], $k0);
+        let c = $t[$i].shr::<52>().add($t[$i].and($mask).add($mask).shr::<52>());
+        let h0 = $z.madd52hi(u, $m.0[0]);
+        $t[$i + 1] = $t[$i + 1].madd52lo(u, $m.0[1]).add(h0).add(c);
+        $t[$i + 2] = $t[$i + 2].madd52hi(u, $m.0[1]).madd52lo(u, $m.0[2]);
+        $t[$i + 3] = $t[$i + 3].madd52hi(u, $m.0[2]).madd52lo(u, $m.0[3]);
+        $t[$i + 4] = $t[$i + 4].madd52hi(u, $m.0[3]).madd52lo(u, $m.0[4]);
+        $t[$i + 5] = $t[$i + 5].madd52hi(u, $m.0[4]);
+    }};
+}
+
+/// Montgomery reduction mod p of a 10-column product (columns < 2^60): T / 2^260 mod p,
+/// normalised limbs.
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-fn mont_reduce<const K0_IS_ONE: bool>(mut t: [U64x8; 10], m: &L52x8, k0: U64x8) -> L52x8 {
+fn reduce_p(mut t: [U64x8; 10]) -> L52x8 {
     let mask = U64x8::splat(MASK52);
+    let m = splat5(&P);
+    red_p_step!(t, 0, mask, m);
+    red_p_step!(t, 1, mask, m);
+    red_p_step!(t, 2, mask, m);
+    red_p_step!(t, 3, mask, m);
+    red_p_step!(t, 4, mask, m);
+    carry([t[5], t[6], t[7], t[8], t[9]])
+}
+
+/// Montgomery reduction mod n (generic constant k0 = -n^-1 mod 2^52).
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+fn reduce_n(mut t: [U64x8; 10]) -> L52x8 {
+    let mask = U64x8::splat(MASK52);
+    let m = splat5(&N);
+    let k0 = U64x8::splat(N_K0);
     let z = U64x8::zero();
-    for i in 0..5 {
-        let u = if K0_IS_ONE { t[i].and(mask) } else { z.madd52lo(t[i], k0) };
-        for j in 0..5 {
-            if K0_IS_ONE && j == 2 {
-                continue; // p's limb 2 is zero
-            }
-            t[i + j] = t[i + j].madd52lo(u, m.0[j]);
-            t[i + j + 1] = t[i + j + 1].madd52hi(u, m.0[j]);
-        }
-        t[i + 1] = t[i + 1].add(t[i].shr::<52>());
-    }
+    red_step!(t, 0, mask, m, k0, z);
+    red_step!(t, 1, mask, m, k0, z);
+    red_step!(t, 2, mask, m, k0, z);
+    red_step!(t, 3, mask, m, k0, z);
+    red_step!(t, 4, mask, m, k0, z);
     carry([t[5], t[6], t[7], t[8], t[9]])
 }
 
@@ -198,17 +238,17 @@ pub(crate) fn add_raw(a: &L52x8, b: &L52x8) -> L52x8 {
 // Field mod p (Montgomery, R = 2^260)
 
 /// Montgomery product a*b/2^260 mod p. Inputs < 2^258, output < 2^257.
-#[inline]
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_mul(a: &L52x8, b: &L52x8) -> L52x8 {
-    mont_reduce::<true>(mul_wide(a, b), &splat5(&P), U64x8::zero())
+    reduce_p(mul_wide(a, b))
 }
 
 /// Montgomery square. Input < 2^258, output < 2^257.
-#[inline]
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_sqr(a: &L52x8) -> L52x8 {
-    mont_reduce::<true>(sqr_wide(a), &splat5(&P), U64x8::zero())
+    reduce_p(sqr_wide(a))
 }
 
 /// a + b mod p (loose). Inputs < 2^257, output < 2^257.
@@ -246,7 +286,7 @@ pub(crate) fn fp_canon(a: &L52x8) -> L52x8 {
 pub(crate) fn fp_from_mont(a: &L52x8) -> L52x8 {
     let mut t = [U64x8::zero(); 10];
     t[..5].copy_from_slice(&a.0);
-    fp_canon(&mont_reduce::<true>(t, &splat5(&P), U64x8::zero()))
+    fp_canon(&reduce_p(t))
 }
 
 #[inline]
@@ -284,17 +324,17 @@ pub(crate) fn fp_inv(z: &L52x8) -> L52x8 {
 // Scalars mod n (Montgomery, R = 2^260, generic k0)
 
 /// Montgomery product a*b/2^260 mod n. Inputs < 2^258, output < 2^257.
-#[inline]
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fn_mul(a: &L52x8, b: &L52x8) -> L52x8 {
-    mont_reduce::<false>(mul_wide(a, b), &splat5(&N), U64x8::splat(N_K0))
+    reduce_n(mul_wide(a, b))
 }
 
 /// Montgomery square mod n.
-#[inline]
+#[inline(never)]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fn_sqr(a: &L52x8) -> L52x8 {
-    mont_reduce::<false>(sqr_wide(a), &splat5(&N), U64x8::splat(N_K0))
+    reduce_n(sqr_wide(a))
 }
 
 /// Canonical representative in [0, n). Input < 2^257 (< 3n).
@@ -305,45 +345,146 @@ pub(crate) fn fn_canon(a: &L52x8) -> L52x8 {
     cond_sub(&cond_sub(a, &n), &n)
 }
 
-#[inline]
-#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-fn fn_sqr_n(a: &L52x8, n: usize) -> L52x8 {
-    let mut t = *a;
-    for _ in 0..n {
-        t = fn_sqr(&t);
-    }
-    t
-}
-
 /// n - 2, low 128 bits, as 4-bit digits from the most significant (public exponent).
 const N_MINUS_2_LOW: u128 = 0xbce6faada7179e84f3b9cac2fc63254f;
 
-/// Inversion mod n by Fermat, a^(n-2). The exponent is public, so the schedule is fixed:
-/// top half [32 ones][32 zeros][64 ones] by an addition chain, low half by fixed 4-bit windows
-/// over a table of a^0..a^15 indexed by public exponent digits. Montgomery in and out.
-#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn fn_inv(a: &L52x8) -> L52x8 {
-    let mut tab = [*a; 16];
-    tab[2] = fn_sqr(a);
-    for i in 3..16 {
-        tab[i] = fn_mul(&tab[i - 1], a);
+/// One operation of the fixed program computing a^(n-2) mod n.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum InvOp {
+    /// tab[i] = a^i from tab[i-1] (i = 2..15).
+    Tab(u8),
+    /// t = t^2.
+    Sqr,
+    /// t = t * tab[i].
+    MulTab(u8),
+    /// t = t * slot[i].
+    MulSlot(u8),
+    /// slot[i] = t (free).
+    Save(u8),
+    /// t = tab[15] (free).
+    LoadX4,
+}
+
+/// The program for a^(n-2): the exponent is public, so the sequence is the same for every input.
+/// Top half [32 ones][32 zeros][64 ones] by an addition chain (x4 = a^15, x8, x16, x32 = a^(2^32-1)),
+/// low 128 bits by fixed 4-bit windows over the table a^1..a^15 (zero digits skip the multiply:
+/// the digits are those of n - 2, not of the input).
+fn inv_n_program() -> &'static [InvOp] {
+    static PROGRAM: OnceLock<Vec<InvOp>> = OnceLock::new();
+    PROGRAM.get_or_init(|| {
+        let mut p = Vec::with_capacity(320);
+        let sq = |p: &mut Vec<InvOp>, n: usize| p.extend(std::iter::repeat_n(InvOp::Sqr, n));
+        p.extend((2..16).map(InvOp::Tab));
+        p.push(InvOp::LoadX4);
+        sq(&mut p, 4);
+        p.push(InvOp::MulTab(15));
+        p.push(InvOp::Save(0)); // x8
+        sq(&mut p, 8);
+        p.push(InvOp::MulSlot(0));
+        p.push(InvOp::Save(1)); // x16
+        sq(&mut p, 16);
+        p.push(InvOp::MulSlot(1));
+        p.push(InvOp::Save(2)); // x32
+        sq(&mut p, 32);
+        for _ in 0..2 {
+            sq(&mut p, 32);
+            p.push(InvOp::MulSlot(2));
+        }
+        for w in (0..32).rev() {
+            let digit = ((N_MINUS_2_LOW >> (4 * w)) & 0xf) as u8;
+            sq(&mut p, 4);
+            if digit != 0 {
+                p.push(InvOp::MulTab(digit));
+            }
+        }
+        p
+    })
+}
+
+/// Work that can be interleaved with the base-point multiplication to fill the IFMA pipeline.
+pub(crate) trait SideWork {
+    /// Runs at most one multiplication's worth of work.
+    fn step(&mut self);
+}
+
+impl SideWork for () {
+    #[inline]
+    fn step(&mut self) {}
+}
+
+/// An inversion mod n in progress, executed one multiplication at a time.
+pub(crate) struct InvN {
+    tab: [L52x8; 16],
+    slot: [L52x8; 3],
+    t: L52x8,
+    pc: usize,
+}
+
+impl InvN {
+    /// Starts a^(n-2) (Montgomery in and out).
+    pub(crate) fn new(a: &L52x8) -> Self {
+        InvN { tab: [*a; 16], slot: [*a; 3], t: *a, pc: 0 }
     }
-    let x4 = tab[15];
-    let x8 = fn_mul(&fn_sqr_n(&x4, 4), &x4);
-    let x16 = fn_mul(&fn_sqr_n(&x8, 8), &x8);
-    let x32 = fn_mul(&fn_sqr_n(&x16, 16), &x16);
-    let mut t = fn_sqr_n(&x32, 32);
-    t = fn_mul(&fn_sqr_n(&t, 32), &x32);
-    t = fn_mul(&fn_sqr_n(&t, 32), &x32);
-    for w in (0..32).rev() {
-        let digit = ((N_MINUS_2_LOW >> (4 * w)) & 0xf) as usize;
-        t = fn_sqr_n(&t, 4);
-        if digit != 0 {
-            // Branch on a digit of the public exponent n - 2, never on the input.
-            t = fn_mul(&t, &tab[digit]);
+
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    fn step_impl(&mut self) {
+        let prog = inv_n_program();
+        // The program counter and opcodes are public; only the values are secret.
+        while self.pc < prog.len() {
+            let op = prog[self.pc];
+            self.pc += 1;
+            match op {
+                InvOp::Tab(i) => {
+                    let i = i as usize;
+                    self.tab[i] = if i == 2 {
+                        fn_sqr(&self.tab[1])
+                    } else {
+                        fn_mul(&self.tab[i - 1], &self.tab[1])
+                    };
+                    return;
+                }
+                InvOp::Sqr => {
+                    self.t = fn_sqr(&self.t);
+                    return;
+                }
+                InvOp::MulTab(i) => {
+                    self.t = fn_mul(&self.t, &self.tab[i as usize]);
+                    return;
+                }
+                InvOp::MulSlot(i) => {
+                    self.t = fn_mul(&self.t, &self.slot[i as usize]);
+                    return;
+                }
+                InvOp::Save(i) => self.slot[i as usize] = self.t,
+                InvOp::LoadX4 => self.t = self.tab[15],
+            }
         }
     }
-    t
+
+    /// Runs the rest of the program and returns a^(n-2).
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub(crate) fn finish(mut self) -> L52x8 {
+        while self.pc < inv_n_program().len() {
+            self.step_impl();
+        }
+        self.t
+    }
+}
+
+impl SideWork for InvN {
+    #[inline]
+    fn step(&mut self) {
+        // SAFETY: InvN values are only created and driven inside the IFMA kernels, which run
+        // after runtime detection of avx512f/avx512ifma/avx512vl.
+        unsafe { self.step_impl() }
+    }
+}
+
+/// Inversion mod n by Fermat, a^(n-2), with the fixed program above. Montgomery in and out.
+#[cfg(test)]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn fn_inv(a: &L52x8) -> L52x8 {
+    InvN::new(a).finish()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -407,20 +548,39 @@ pub(crate) struct Jac52x8 {
 
 /// Mixed addition Jacobian + affine (add-1998-cmo-2 shape, 8M + 3S). Requires P1 ≠ ±P2 and
 /// P1 ≠ O; the base-point multiplication guarantees both by construction or masks the result.
+#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn point_add_mixed(p1: &Jac52x8, x2: &L52x8, y2: &L52x8) -> Jac52x8 {
+    point_add_mixed_with(p1, x2, y2, &mut ())
+}
+
+/// [`point_add_mixed`] with up to 5 steps of independent `side` work slotted between its
+/// dependent multiplications, so that the out-of-order core overlaps the two chains.
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn point_add_mixed_with<S: SideWork>(
+    p1: &Jac52x8,
+    x2: &L52x8,
+    y2: &L52x8,
+    side: &mut S,
+) -> Jac52x8 {
     let z1z1 = fp_sqr(&p1.z);
+    side.step();
     let u2 = fp_mul(x2, &z1z1);
     let z1z1z1 = fp_mul(&p1.z, &z1z1);
+    side.step();
     let s2 = fp_mul(y2, &z1z1z1);
     let h = fp_sub(&u2, &p1.x);
     let r = fp_sub(&s2, &p1.y);
     let hh = fp_sqr(&h);
+    side.step();
     let z3 = fp_mul(&p1.z, &h);
     let hhh = fp_mul(&h, &hh);
+    side.step();
     let v = fp_mul(&p1.x, &hh);
     let rr = fp_sqr(&r);
+    side.step();
     let y1hhh = fp_mul(&p1.y, &hhh);
     let x3 = fp_sub(&fp_sub(&rr, &hhh), &fp_add(&v, &v));
     let y3 = fp_sub(&fp_mul(&r, &fp_sub(&v, &x3)), &y1hhh);
@@ -516,9 +676,10 @@ pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
 /// is kept by masked blend where the digit is 0 and replaced by the table point where the
 /// accumulator is still the point at infinity. No branch or address depends on the scalar.
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn base_mul(
+pub(crate) fn base_mul<S: SideWork>(
     digits_abs: &[[u64; 8]; WINDOWS],
     digits_neg: &[[u64; 8]; WINDOWS],
+    side: &mut S,
 ) -> Jac52x8 {
     let table = base_table();
     let one = U64x8::splat(1);
@@ -555,7 +716,7 @@ pub(crate) fn base_mul(
             // `w` is public: the accumulator is O in every lane before the first window.
             fresh
         } else {
-            let sum = point_add_mixed(&acc, &x, &y);
+            let sum = point_add_mixed_with(&acc, &x, &y, side);
             select_point(&sum, inf, &fresh)
         };
         acc = select_point(&next, zero_d, &acc);
@@ -574,6 +735,8 @@ pub(crate) fn sign8(
     k: &[[u8; 32]; 8],
 ) -> ([[u8; 32]; 8], [[u8; 32]; 8]) {
     // kk = k if k < 2^255 else n - k: kk*G = ±k*G has the same x, and kk fits 64 signed windows.
+    let lanes =
+        |b: &[[u8; 32]; 8]| -> [[u64; 5]; 8] { std::array::from_fn(|i| bytes_to_limbs(&b[i])) };
     let mut abs = [[0u64; 8]; WINDOWS];
     let mut neg = [[0u64; 8]; WINDOWS];
     for lane in 0..8 {
@@ -584,20 +747,20 @@ pub(crate) fn sign8(
             neg[w][lane] = s[w];
         }
     }
-    let q = base_mul(&abs, &neg);
+    let rrn = splat5(&RR_N);
+    let kv = load(&lanes(k));
+    // k^-1 mod n runs interleaved with the point additions (independent chains).
+    let mut kinv = InvN::new(&fn_mul(&kv, &rrn));
+    let q = base_mul(&abs, &neg, &mut kinv);
+    let kinv = kinv.finish(); // k^-1 * R
     let zi = fp_inv(&q.z);
     let zi2 = fp_sqr(&zi);
     let x = fp_from_mont(&fp_mul(&q.x, &zi2));
     let nn = splat5(&N);
     let r = cond_sub(&x, &nn); // x < p < 2n
 
-    let lanes =
-        |b: &[[u8; 32]; 8]| -> [[u64; 5]; 8] { std::array::from_fn(|i| bytes_to_limbs(&b[i])) };
-    let rrn = splat5(&RR_N);
-    let kv = load(&lanes(k));
     let dv = load(&lanes(d));
     let ev = load(&lanes(e));
-    let kinv = fn_inv(&fn_mul(&kv, &rrn)); // k^-1 * R
     let rd = fn_mul(&r, &fn_mul(&dv, &rrn)); // r*d (plain)
     let t = add_raw(&ev, &rd); // < 2^256 + 2^257 < 2^258
     let s = fn_canon(&fn_mul(&t, &kinv)); // (e + r d) / k mod n
