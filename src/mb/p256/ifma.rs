@@ -555,7 +555,7 @@ pub(crate) fn point_add_mixed(p1: &Jac52x8, x2: &L52x8, y2: &L52x8) -> Jac52x8 {
     point_add_mixed_with(p1, x2, y2, &mut ())
 }
 
-/// [`point_add_mixed`] with up to 5 steps of independent `side` work slotted between its
+/// [`point_add_mixed`] with up to 8 steps of independent `side` work slotted between its
 /// dependent multiplications, so that the out-of-order core overlaps the two chains.
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
@@ -568,10 +568,12 @@ pub(crate) fn point_add_mixed_with<S: SideWork>(
     let z1z1 = fp_sqr(&p1.z);
     side.step();
     let u2 = fp_mul(x2, &z1z1);
+    side.step();
     let z1z1z1 = fp_mul(&p1.z, &z1z1);
     side.step();
     let s2 = fp_mul(y2, &z1z1z1);
     let h = fp_sub(&u2, &p1.x);
+    side.step();
     let r = fp_sub(&s2, &p1.y);
     let hh = fp_sqr(&h);
     side.step();
@@ -583,6 +585,7 @@ pub(crate) fn point_add_mixed_with<S: SideWork>(
     side.step();
     let y1hhh = fp_mul(&p1.y, &hhh);
     let x3 = fp_sub(&fp_sub(&rr, &hhh), &fp_add(&v, &v));
+    side.step();
     let y3 = fp_sub(&fp_mul(&r, &fp_sub(&v, &x3)), &y1hhh);
     Jac52x8 { x: x3, y: y3, z: z3 }
 }
@@ -593,12 +596,18 @@ fn select_point(a: &Jac52x8, m: Mask8, b: &Jac52x8) -> Jac52x8 {
     Jac52x8 { x: select(&a.x, m, &b.x), y: select(&a.y, m, &b.y), z: select(&a.z, m, &b.z) }
 }
 
-/// Number of 4-bit windows (scalars are below 2^255 after the sign trick, see NOTES.md).
-pub(crate) const WINDOWS: usize = 64;
+/// Window width in bits (signed digits in [-2^(W-1), 2^(W-1)]).
+pub(crate) const W: usize = 5;
+/// Table entries per window: multiples 1..2^(W-1).
+pub(crate) const ENTRIES: usize = 1 << (W - 1);
+/// Number of windows: scalars are below 2^255 after the sign trick (see NOTES.md); the top
+/// window holds at most W-1 bits of the scalar, so it absorbs the last carry (W*(WINDOWS-1) >=
+/// 256 - W).
+pub(crate) const WINDOWS: usize = 256usize.div_ceil(W);
 
-/// Precomputed public table: entry `[w][j-1]` = j * 16^w * G in affine coordinates, Montgomery
-/// domain, canonical limbs: `[x0..x4, y0..y4]`.
-pub(crate) struct BaseTable(pub(crate) Vec<[[u64; 10]; 8]>);
+/// Precomputed public table: entry `[w][j-1]` = j * 2^(W*w) * G in affine coordinates,
+/// Montgomery domain, canonical limbs: `[x0..x4, y0..y4]`.
+pub(crate) struct BaseTable(pub(crate) Vec<[[u64; 10]; ENTRIES]>);
 
 static TABLE: OnceLock<BaseTable> = OnceLock::new();
 
@@ -621,9 +630,9 @@ fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
     let mut rows = Vec::with_capacity(WINDOWS);
     let (mut x, mut y, mut t) = (BigNum::new()?, BigNum::new()?, BigNum::new()?);
     for _ in 0..WINDOWS {
-        let mut row = [[0u64; 10]; 8];
+        let mut row = [[0u64; 10]; ENTRIES];
         let mut acc = base.to_owned(&group)?;
-        for j in 0..8 {
+        for j in 0..ENTRIES {
             if j > 0 {
                 let mut next = EcPoint::new(&group)?;
                 next.add(&group, &acc, &base, &mut ctx)?;
@@ -639,8 +648,8 @@ fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
             }
         }
         rows.push(row);
-        // base <- 16 * base
-        for _ in 0..4 {
+        // base <- 2^W * base
+        for _ in 0..W {
             let mut d = EcPoint::new(&group)?;
             d.add(&group, &base, &base, &mut ctx)?;
             base = d;
@@ -649,18 +658,23 @@ fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
     Ok(BaseTable(rows))
 }
 
-/// Signed 4-bit recoding of a scalar below 2^255: 64 digits in [-8, 8] as (|d|, sign) per lane.
-/// Branch-free integer arithmetic; the loop bounds and indices are public.
+/// Signed W-bit recoding of a scalar below 2^255: WINDOWS digits in [-2^(W-1), 2^(W-1)] as
+/// (|d|, sign) per window. Branch-free integer arithmetic; loop bounds and bit positions are
+/// public.
 pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
+    let words: [u64; 4] =
+        std::array::from_fn(|i| u64::from_be_bytes(k[24 - 8 * i..32 - 8 * i].try_into().unwrap()));
     let mut abs = [0u64; WINDOWS];
     let mut neg = [0u64; WINDOWS];
     let mut carry = 0i64;
     for i in 0..WINDOWS {
-        let byte = k[31 - i / 2] as i64;
-        let nib = (byte >> (4 * (i & 1))) & 0xf;
-        let v = nib + carry;
-        let c = (v + 7) >> 4;
-        let d = v - 16 * c;
+        let bit = W * i;
+        let lo = words[bit / 64] as u128;
+        let hi = if bit / 64 + 1 < 4 { words[bit / 64 + 1] as u128 } else { 0 };
+        let chunk = (((hi << 64) | lo) >> (bit % 64)) as i64 & ((1 << W) - 1);
+        let v = chunk + carry;
+        let c = (v + (1 << (W - 1)) - 1) >> W; // 1 iff v > 2^(W-1)
+        let d = v - (c << W);
         carry = c;
         let s = d >> 63;
         abs[i] = ((d ^ s) - s) as u64;
@@ -694,7 +708,7 @@ pub(crate) fn base_mul<S: SideWork>(
         let z = U64x8::zero();
         let mut x = L52x8([z; 5]);
         let mut y = L52x8([z; 5]);
-        for j in 0..8 {
+        for j in 0..ENTRIES {
             let m = a.eq_mask(U64x8::splat(j as u64 + 1));
             let e = &table.0[w][j];
             for l in 0..5 {

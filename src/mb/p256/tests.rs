@@ -366,16 +366,18 @@ fn base_table_matches_ecpoint() {
     let g = group();
     let mut c = ctx();
     let t = base_table();
-    for (w, j) in [(0usize, 1usize), (0, 8), (1, 3), (17, 5), (63, 8), (63, 1)] {
+    for (w, j) in
+        [(0usize, 1usize), (0, ENTRIES), (1, 3), (17, 5), (WINDOWS - 1, ENTRIES), (WINDOWS - 1, 1)]
+    {
         let j_bn = BigNum::from_u32(j as u32).unwrap();
         let mut k = BigNum::new().unwrap();
-        k.lshift(&j_bn, 4 * w as i32).unwrap();
+        k.lshift(&j_bn, (W * w) as i32).unwrap();
         let mut pt = EcPoint::new(&g).unwrap();
         pt.mul_generator(&g, &k, &mut c.ctx).unwrap();
         let (x, y) = affine(&mut c, &g, &pt);
         let e = &t.0[w][j - 1];
-        assert_eq!(to_mont(&mut c, &x), e[..5], "x of {j}*16^{w}*G");
-        assert_eq!(to_mont(&mut c, &y), e[5..], "y of {j}*16^{w}*G");
+        assert_eq!(to_mont(&mut c, &x), e[..5], "x of {j}*2^(W*{w})*G");
+        assert_eq!(to_mont(&mut c, &y), e[5..], "y of {j}*2^(W*{w})*G");
     }
 }
 
@@ -390,14 +392,19 @@ fn recode_reconstructs_scalar() {
         } else if case == 1 {
             k = [0x88; 32];
             k[0] = 0x7f;
+        } else if case == 2 {
+            k = [0xff; 32]; // 2^255 - 1: carries through every window
+            k[0] = 0x7f;
+        } else if case == 3 {
+            k = [0; 32];
         }
         let (abs, neg) = recode(&k);
-        // Σ d_i 16^i as a BigNum (with signs).
+        // Σ d_i 2^(W i) as a BigNum (with signs).
         let mut acc = BigNum::new().unwrap();
         for i in (0..WINDOWS).rev() {
             let t = acc.to_owned().unwrap();
-            acc.lshift(&t, 4).unwrap();
-            assert!(abs[i] <= 8 && neg[i] <= 1);
+            acc.lshift(&t, W as i32).unwrap();
+            assert!(abs[i] <= ENTRIES as u64 && neg[i] <= 1);
             if neg[i] == 1 {
                 acc.sub_word(abs[i] as u32).unwrap();
             } else {
