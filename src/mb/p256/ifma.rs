@@ -154,17 +154,12 @@ fn reduce_n(mut t: [U64x8; 10]) -> L52x8 {
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 fn mul_wide(a: &L52x8, b: &L52x8) -> [U64x8; 10] {
     let z = U64x8::zero();
-    let mut lo = [z; 10];
-    let mut hi = [z; 10];
+    let mut t = [z; 10];
     for i in 0..5 {
         for j in 0..5 {
-            lo[i + j] = lo[i + j].madd52lo(a.0[i], b.0[j]);
-            hi[i + j + 1] = hi[i + j + 1].madd52hi(a.0[i], b.0[j]);
+            t[i + j] = t[i + j].madd52lo(a.0[i], b.0[j]);
+            t[i + j + 1] = t[i + j + 1].madd52hi(a.0[i], b.0[j]);
         }
-    }
-    let mut t = [z; 10];
-    for c in 0..10 {
-        t[c] = lo[c].add(hi[c]);
     }
     t
 }
@@ -174,17 +169,15 @@ fn mul_wide(a: &L52x8, b: &L52x8) -> [U64x8; 10] {
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 fn sqr_wide(a: &L52x8) -> [U64x8; 10] {
     let z = U64x8::zero();
-    let mut lo = [z; 10];
-    let mut hi = [z; 10];
+    let mut t = [z; 10];
     for i in 0..5 {
         for j in (i + 1)..5 {
-            lo[i + j] = lo[i + j].madd52lo(a.0[i], a.0[j]);
-            hi[i + j + 1] = hi[i + j + 1].madd52hi(a.0[i], a.0[j]);
+            t[i + j] = t[i + j].madd52lo(a.0[i], a.0[j]);
+            t[i + j + 1] = t[i + j + 1].madd52hi(a.0[i], a.0[j]);
         }
     }
-    let mut t = [z; 10];
-    for c in 0..10 {
-        t[c] = lo[c].add(hi[c]).shl::<1>();
+    for c in 1..9 {
+        t[c] = t[c].shl::<1>();
     }
     for i in 0..5 {
         t[2 * i] = t[2 * i].madd52lo(a.0[i], a.0[i]);
