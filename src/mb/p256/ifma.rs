@@ -70,12 +70,18 @@ fn carry_signed(t: [U64x8; 5]) -> L52x8 {
     L52x8([t[0].and(m), t1.and(m), t2.and(m), t3.and(m), t4])
 }
 
-/// Folds bits 256..259 back with 2^256 = 2^224 - 2^192 - 2^96 + 1 (mod p).
-/// Input: normalised limbs, value < 2^260. Output: < 2^256 + 15*2^224 < 2^257, same class mod p.
+/// Folds bits 256 and up back with 2^256 ≡ 2^224 - 2^192 - 2^96 + 1 (mod p), then propagates
+/// carries once.
+///
+/// Input: limb-wise sums/differences of loose values — limbs 0..3 in (-2^52, 2^53), limb 4 in
+/// [2^48, 2^51) for subtraction (a4 - b4 + 4p4) or [0, 2^50) for addition — not normalised.
+/// With h = limb4 >> 48 (0..7) the result is ≥ 0 (when h = 0 every limb is non-negative; when
+/// h ≥ 1 the folded 2^224 term outweighs the negative low limbs, > 2^223 against < 2^209) and
+/// below 2^256 + 7*2^224 + 2^210 < 2^257: loose, normalised, same class mod p.
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-fn fold_p(t: L52x8) -> L52x8 {
-    let [t0, t1, t2, t3, t4] = t.0;
+fn fold_p(t: [U64x8; 5]) -> L52x8 {
+    let [t0, t1, t2, t3, t4] = t;
     let h = t4.shr::<48>();
     let t4 = t4.and(U64x8::splat((1 << 48) - 1));
     carry_signed([
@@ -248,7 +254,13 @@ pub(crate) fn fp_sqr(a: &L52x8) -> L52x8 {
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_add(a: &L52x8, b: &L52x8) -> L52x8 {
-    fold_p(add_raw(a, b))
+    fold_p([
+        a.0[0].add(b.0[0]),
+        a.0[1].add(b.0[1]),
+        a.0[2].add(b.0[2]),
+        a.0[3].add(b.0[3]),
+        a.0[4].add(b.0[4]),
+    ])
 }
 
 /// a - b mod p (loose). Inputs < 2^257, output < 2^257.
@@ -256,13 +268,13 @@ pub(crate) fn fp_add(a: &L52x8, b: &L52x8) -> L52x8 {
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_sub(a: &L52x8, b: &L52x8) -> L52x8 {
     let q = splat5(&P4);
-    fold_p(carry_signed([
+    fold_p([
         a.0[0].sub(b.0[0]).add(q.0[0]),
         a.0[1].sub(b.0[1]).add(q.0[1]),
         a.0[2].sub(b.0[2]).add(q.0[2]),
         a.0[3].sub(b.0[3]).add(q.0[3]),
         a.0[4].sub(b.0[4]).add(q.0[4]),
-    ]))
+    ])
 }
 
 /// Canonical representative in [0, p). Input < 2^257 (< 3p).
