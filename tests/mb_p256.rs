@@ -424,3 +424,48 @@ fn dudect_fixed_vs_random_nonce() {
          (|t| < 4.5: no evidence of a timing difference)"
     );
 }
+
+/// Same-run throughput comparison that tolerates a shared, noisy machine: the two backends
+/// alternate in short slices and each keeps its best slice. Reports only.
+/// Run: `taskset -c 1 cargo test --release --test mb_p256 -- --ignored --nocapture speed_ratio`.
+#[test]
+#[ignore]
+fn speed_ratio_report() {
+    let keys: Vec<EcdsaKey> = (0..8).map(|_| gen_key().1).collect();
+    let refs: Vec<&EcdsaKey> = keys.iter().collect();
+    let msgs: Vec<Vec<u8>> = (0..8).map(|i| vec![0x20 + i as u8; 130]).collect();
+    let msg_refs: Vec<&[u8]> = msgs.iter().map(|m| m.as_slice()).collect();
+    let mut backends = vec![Backend::Scalar];
+    if mbtunnel::mb::cpu_features().ifma_capable() {
+        backends.push(Backend::Ifma);
+    }
+    for batch in [1usize, 2, 4, 8] {
+        let mut best = [f64::MAX; 2];
+        for _ in 0..60 {
+            for (b, &backend) in backends.iter().enumerate() {
+                let reps = 40;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    std::hint::black_box(p256::sign_batch_with(
+                        backend,
+                        &refs[..batch],
+                        &msg_refs[..batch],
+                    ));
+                }
+                best[b] = best[b].min(t.elapsed().as_secs_f64() / reps as f64);
+            }
+        }
+        let ops = |b: usize| batch as f64 / best[b];
+        if backends.len() == 2 {
+            println!(
+                "batch {batch}: boringssl {:8.0} sign/s, ifma {:8.0} sign/s ({:6.1} us per call), ratio {:.2}",
+                ops(0),
+                ops(1),
+                best[1] * 1e6,
+                ops(1) / ops(0)
+            );
+        } else {
+            println!("batch {batch}: boringssl {:8.0} sign/s (no IFMA on this CPU)", ops(0));
+        }
+    }
+}

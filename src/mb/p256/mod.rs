@@ -1,7 +1,6 @@
 #![doc = include_str!("NOTES.md")]
 
 use boring::ec::{EcKey, EcKeyRef};
-use boring::hash::MessageDigest;
 use boring::nid::Nid;
 use boring::pkey::{PKey, Private};
 
@@ -111,11 +110,9 @@ pub fn sign_batch_with(
     sign_digests(backend, keys, &digests, &Nonces::Hedged)
 }
 
+/// SHA-256 of the message (BoringSSL's one-shot `SHA256`, no EVP context allocation).
 fn sha256(m: &[u8]) -> [u8; 32] {
-    let d = boring::hash::hash(MessageDigest::sha256(), m).expect("SHA-256");
-    let mut out = [0u8; 32];
-    out.copy_from_slice(&d);
-    out
+    boring::sha::sha256(m)
 }
 
 /// Where nonces come from. Only `Hedged` is used outside tests.

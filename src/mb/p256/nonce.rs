@@ -5,6 +5,8 @@
 //! tests. The DRBG keeps its state so that a retry (r = 0 or s = 0) draws the next candidate as
 //! section 3.2 step h.3 prescribes.
 
+use std::sync::OnceLock;
+
 use boring::sha::Sha256;
 
 /// Group order n, big-endian.
@@ -92,10 +94,11 @@ impl Rfc6979 {
             Some(e) => e,
             None => &[],
         };
+        // The initial key K = 0x00..00 is a constant: its pad states are computed once.
+        static K0: OnceLock<Hmac> = OnceLock::new();
         let mut v = [0x01u8; 32];
-        let mut k = Hmac::new(&[0u8; 32]);
-        let kb = k.mac(&[&v, &[0x00], x, &h1, extra]);
-        k = Hmac::new(&kb);
+        let kb = K0.get_or_init(|| Hmac::new(&[0u8; 32])).mac(&[&v, &[0x00], x, &h1, extra]);
+        let mut k = Hmac::new(&kb);
         v = k.mac(&[&v]);
         let kb = k.mac(&[&v, &[0x01], x, &h1, extra]);
         k = Hmac::new(&kb);
