@@ -7,7 +7,7 @@
 
 use std::sync::OnceLock;
 
-use crate::mb::simd::{Mask8, U64x8, MASK52};
+use crate::mb::simd::{Aligned8, Mask8, U64x8, MASK52};
 
 /// Five 52-bit limbs, limb-major: `0[j]` holds limb `j` of all eight lanes.
 /// Values are "loose": below 2^257 unless a function says otherwise, limbs normalised (< 2^52).
@@ -602,7 +602,7 @@ fn select_point(a: &Jac52x8, m: Mask8, b: &Jac52x8) -> Jac52x8 {
 }
 
 /// Window width in bits (signed digits in [-2^(W-1), 2^(W-1)]).
-pub(crate) const W: usize = 5;
+pub(crate) const W: usize = 7;
 /// Table entries per window: multiples 1..2^(W-1).
 pub(crate) const ENTRIES: usize = 1 << (W - 1);
 /// Number of windows: scalars are below 2^255 after the sign trick (see NOTES.md); the top
@@ -610,9 +610,25 @@ pub(crate) const ENTRIES: usize = 1 << (W - 1);
 /// 256 - W).
 pub(crate) const WINDOWS: usize = 256usize.div_ceil(W);
 
-/// Precomputed public table: entry `[w][j-1]` = j * 2^(W*w) * G in affine coordinates,
-/// Montgomery domain, canonical limbs: `[x0..x4, y0..y4]`.
-pub(crate) struct BaseTable(pub(crate) Vec<[[u64; 10]; ENTRIES]>);
+/// One window of the table, coordinate-limb-major: `c[l][g].0[i]` is limb `l` (x0..x4, y0..y4)
+/// of entry `8g + i`, i.e. of (8g + i + 1) * 2^(W*w) * G. Sixteen consecutive entries of one limb
+/// fill two registers, which `vpermi2q` indexes per lane.
+#[repr(C, align(64))]
+pub(crate) struct TableRow {
+    pub(crate) c: [[Aligned8; ENTRIES / 8]; 10],
+}
+
+/// Precomputed public table of affine multiples j * 2^(W*w) * G (j = 1..ENTRIES), Montgomery
+/// domain, canonical limbs.
+pub(crate) struct BaseTable(pub(crate) Vec<TableRow>);
+
+impl BaseTable {
+    /// Entry for multiple `j` (1-based) of window `w` as `[x0..x4, y0..y4]`.
+    #[cfg(test)]
+    pub(crate) fn entry(&self, w: usize, j: usize) -> [u64; 10] {
+        std::array::from_fn(|l| self.0[w].c[l][(j - 1) / 8].0[(j - 1) % 8])
+    }
+}
 
 static TABLE: OnceLock<BaseTable> = OnceLock::new();
 
@@ -652,7 +668,13 @@ fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
                 row[j][5 * k..5 * k + 5].copy_from_slice(&bytes_to_limbs(&b));
             }
         }
-        rows.push(row);
+        let mut t = TableRow { c: [[Aligned8::default(); ENTRIES / 8]; 10] };
+        for (j, e) in row.iter().enumerate() {
+            for l in 0..10 {
+                t.c[l][j / 8].0[j % 8] = e[l];
+            }
+        }
+        rows.push(t);
         // base <- 2^W * base
         for _ in 0..W {
             let mut d = EcPoint::new(&group)?;
@@ -711,16 +733,28 @@ pub(crate) fn base_mul<S: SideWork>(
         let negm = U64x8::from_array(digits_neg[w]).eq_mask(one);
         let zero_d = a.eq_mask(U64x8::zero());
         let z = U64x8::zero();
-        let mut x = L52x8([z; 5]);
-        let mut y = L52x8([z; 5]);
-        for j in 0..ENTRIES {
-            let m = a.eq_mask(U64x8::splat(j as u64 + 1));
-            let e = &table.0[w][j];
-            for l in 0..5 {
-                x.0[l] = x.0[l].select(m, U64x8::splat(e[l]));
-                y.0[l] = y.0[l].select(m, U64x8::splat(e[5 + l]));
+        // Per-lane lookup of entry |d| - 1 (|d| = 0 reads some entry; the result is discarded
+        // below): vpermi2q over 16 entries held in two registers, then masked blends between
+        // the 16-entry groups. Every entry of the window is loaded; nothing depends on d but
+        // register contents.
+        let idx = a.sub(one);
+        let row = &table.0[w];
+        let group = idx.shr::<4>();
+        let gm: [Mask8; ENTRIES / 16] =
+            std::array::from_fn(|g| group.eq_mask(U64x8::splat(g as u64)));
+        let mut c = [z; 10];
+        for l in 0..10 {
+            let mut v = z;
+            for g in 0..ENTRIES / 16 {
+                let lo = U64x8::load_aligned(&row.c[l][2 * g]);
+                let hi = U64x8::load_aligned(&row.c[l][2 * g + 1]);
+                let r = U64x8::lookup16(lo, idx, hi);
+                v = if g == 0 { r } else { v.select(gm[g], r) };
             }
+            c[l] = v;
         }
+        let x = L52x8([c[0], c[1], c[2], c[3], c[4]]);
+        let y = L52x8([c[5], c[6], c[7], c[8], c[9]]);
         // -y = p - y (y canonical, so the limbs subtract without going negative overall).
         let ny = carry_signed([
             p.0[0].sub(y.0[0]),

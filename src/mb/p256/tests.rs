@@ -375,7 +375,7 @@ fn base_table_matches_ecpoint() {
         let mut pt = EcPoint::new(&g).unwrap();
         pt.mul_generator(&g, &k, &mut c.ctx).unwrap();
         let (x, y) = affine(&mut c, &g, &pt);
-        let e = &t.0[w][j - 1];
+        let e = t.entry(w, j);
         assert_eq!(to_mont(&mut c, &x), e[..5], "x of {j}*2^(W*{w})*G");
         assert_eq!(to_mont(&mut c, &y), e[5..], "y of {j}*2^(W*{w})*G");
     }
