@@ -9,6 +9,7 @@ use crate::mb::{Backend, MbError, LANES};
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod ifma;
 mod nonce;
+mod sha;
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests;
 
@@ -201,16 +202,17 @@ fn sign_chunk_ifma(
     if matches!(nonces, Nonces::Hedged) && boring::rand::rand_bytes(&mut extra[..32 * n]).is_err() {
         return vec![Err(MbError::Boring("rand_bytes failed".to_string())); n];
     }
-    let mut drbg: Vec<Option<nonce::Rfc6979>> = (0..n)
-        .map(|i| match nonces {
-            Nonces::Hedged => {
-                let x: &[u8; 32] = extra[32 * i..32 * i + 32].try_into().unwrap();
-                Some(nonce::Rfc6979::new(&d[i], &e[i], Some(x)))
-            }
-            Nonces::Deterministic => Some(nonce::Rfc6979::new(&d[i], &e[i], None)),
-            Nonces::Injected(_) => None,
-        })
-        .collect();
+    // Nonce generators, advanced in lockstep for the first candidate of every lane.
+    let (mut drbg, first): (Vec<Option<nonce::Rfc6979>>, Vec<[u8; 32]>) = match nonces {
+        Nonces::Hedged | Nonces::Deterministic => {
+            let extra: Vec<[u8; 32]> =
+                (0..n).map(|i| extra[32 * i..32 * i + 32].try_into().unwrap()).collect();
+            let hedge = matches!(nonces, Nonces::Hedged).then_some(&extra[..]);
+            let (g, k) = nonce::Rfc6979::new_lanes(&d[..n], &e[..n], hedge);
+            (g.into_iter().map(Some).collect(), k)
+        }
+        Nonces::Injected(_) => ((0..n).map(|_| None).collect(), Vec::new()),
+    };
     let mut out: Vec<Option<Result<Vec<u8>, MbError>>> = vec![None; n];
     for attempt in 0..MAX_ATTEMPTS {
         for i in 0..n {
@@ -218,6 +220,7 @@ fn sign_chunk_ifma(
                 continue;
             }
             match (&mut drbg[i], nonces) {
+                (Some(_), _) if attempt == 0 => k[i] = first[i],
                 (Some(g), _) => k[i] = g.next_k(),
                 (None, Nonces::Injected(v)) => match v[i].get(attempt) {
                     Some(c) if *c != [0u8; 32] && nonce::lt_be(c, &nonce::N_BE) => k[i] = *c,

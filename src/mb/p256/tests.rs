@@ -593,6 +593,32 @@ fn perf_probe() {
         bb(g.next_k());
     });
     println!("rfc6979 nonce     {r:8.1} ns");
+    let xs = [d[0]; 8];
+    let hs = [h; 8];
+    let r = best_ns(1, || {
+        bb(super::nonce::Rfc6979::new_lanes(&xs, &hs, Some(&hs)));
+    });
+    println!("rfc6979 x8 lanes  {:8.1} ns per lane", r / 8.0);
+    let big = vec![5u8; 64 * 1024];
+    let r = best_ns(1, || {
+        bb(boring::sha::sha256(&big));
+    });
+    println!("sha256 per block  {:8.1} ns", r / 1024.0);
+    let mut st = super::sha::IV;
+    let r = best_ns(1, || {
+        super::sha::compress(&mut st, &big);
+    });
+    println!("own compress/blk  {:8.1} ns", r / 1024.0);
+    bb(st);
+    let hm = super::sha::Hmac::new(&h);
+    let r = best_ns(100, || {
+        bb(hm.mac(&[&h, &[0], &h, &h, &h]));
+    });
+    println!("hmac 129 bytes    {r:8.1} ns");
+    let r = best_ns(100, || {
+        bb(super::sha::Hmac::new(&h));
+    });
+    println!("hmac key setup    {r:8.1} ns");
     bb((x, y, j.x));
 }
 
@@ -607,5 +633,15 @@ fn perf_sign8_loop() {
     for _ in 0..20_000 {
         // SAFETY: IFMA detected above.
         std::hint::black_box(unsafe { sign8(&d, &d, &d) });
+    }
+}
+
+/// Runs only the lockstep nonce DRBG, for `perf record`.
+#[test]
+#[ignore]
+fn perf_nonce_loop() {
+    let xs = [[7u8; 32]; 8];
+    for _ in 0..20_000 {
+        std::hint::black_box(super::nonce::Rfc6979::new_lanes(&xs, &xs, Some(&xs)));
     }
 }
