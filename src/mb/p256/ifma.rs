@@ -294,37 +294,6 @@ pub(crate) fn fp_from_mont(a: &L52x8) -> L52x8 {
     fp_canon(&reduce_p(t))
 }
 
-#[inline]
-#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-fn fp_sqr_n(a: &L52x8, n: usize) -> L52x8 {
-    let mut t = *a;
-    for _ in 0..n {
-        t = fp_sqr(&t);
-    }
-    t
-}
-
-/// Inversion by Fermat, z^(p-2), with a fixed addition chain (255 squarings, 13 multiplies).
-/// p - 2 = [32 ones][31 zeros][1][96 zeros][94 ones][0][1]. Montgomery in, Montgomery out;
-/// the input 0 maps to 0 (never happens for a Z coordinate, see NOTES.md).
-#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn fp_inv(z: &L52x8) -> L52x8 {
-    let x2 = fp_mul(&fp_sqr(z), z);
-    let x4 = fp_mul(&fp_sqr_n(&x2, 2), &x2);
-    let x8 = fp_mul(&fp_sqr_n(&x4, 4), &x4);
-    let x16 = fp_mul(&fp_sqr_n(&x8, 8), &x8);
-    let x32 = fp_mul(&fp_sqr_n(&x16, 16), &x16);
-    let mut t = fp_mul(&fp_sqr_n(&x32, 32), z);
-    t = fp_sqr_n(&t, 96);
-    t = fp_mul(&fp_sqr_n(&t, 32), &x32);
-    t = fp_mul(&fp_sqr_n(&t, 32), &x32);
-    t = fp_mul(&fp_sqr_n(&t, 16), &x16);
-    t = fp_mul(&fp_sqr_n(&t, 8), &x8);
-    t = fp_mul(&fp_sqr_n(&t, 4), &x4);
-    t = fp_mul(&fp_sqr_n(&t, 2), &x2);
-    fp_mul(&fp_sqr_n(&t, 2), z)
-}
-
 // ---------------------------------------------------------------------------------------------
 // Scalars mod n (Montgomery, R = 2^260, generic k0)
 
@@ -335,13 +304,6 @@ pub(crate) fn fn_mul(a: &L52x8, b: &L52x8) -> L52x8 {
     reduce_n(mul_wide(a, b))
 }
 
-/// Montgomery square mod n.
-#[inline(never)]
-#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn fn_sqr(a: &L52x8) -> L52x8 {
-    reduce_n(sqr_wide(a))
-}
-
 /// Canonical representative in [0, n). Input < 2^257 (< 3n).
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
@@ -350,146 +312,130 @@ pub(crate) fn fn_canon(a: &L52x8) -> L52x8 {
     cond_sub(&cond_sub(a, &n), &n)
 }
 
-/// n - 2, low 128 bits, as 4-bit digits from the most significant (public exponent).
-const N_MINUS_2_LOW: u128 = 0xbce6faada7179e84f3b9cac2fc63254f;
+// ---------------------------------------------------------------------------------------------
+// Both inversions of a batch in one exponentiation (Montgomery's trick across lanes)
 
-/// One operation of the fixed program computing a^(n-2) mod n.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum InvOp {
-    /// tab[i] = a^i from tab[i-1] (i = 2..15).
-    Tab(u8),
-    /// t = t^2.
-    Sqr,
-    /// t = t * tab[i].
-    MulTab(u8),
-    /// t = t * slot[i].
-    MulSlot(u8),
-    /// slot[i] = t (free).
-    Save(u8),
-    /// t = tab[15] (free).
-    LoadX4,
+/// 2^260 mod n: Montgomery one mod n.
+pub(crate) const ONE_N: [u64; 5] =
+    [0x353d039cdaaf0, 0x258e8617b0c46, 0x4319055, 0xfff0000000000, 0xfffff];
+/// p - 2 and n - 2, big-endian 64-bit words (public exponents).
+const P_MINUS_2: [u64; 4] =
+    [0xffffffff00000001, 0x0000000000000000, 0x00000000ffffffff, 0xfffffffffffffffd];
+const N_MINUS_2: [u64; 4] =
+    [0xffffffff00000000, 0xffffffffffffffff, 0xbce6faada7179e84, 0xf3b9cac2fc63254f];
+/// Lanes 4..7 of a dual vector work mod p, lanes 0..3 mod n.
+const P_LANES: Mask8 = 0xf0;
+
+/// Per-lane modulus: lanes 0..3 n, lanes 4..7 p (limbs, -m^-1 mod 2^52, Montgomery one).
+struct DualMod {
+    m: L52x8,
+    k0: U64x8,
+    one: L52x8,
 }
 
-/// The program for a^(n-2): the exponent is public, so the sequence is the same for every input.
-/// Top half [32 ones][32 zeros][64 ones] by an addition chain (x4 = a^15, x8, x16, x32 = a^(2^32-1)),
-/// low 128 bits by fixed 4-bit windows over the table a^1..a^15 (zero digits skip the multiply:
-/// the digits are those of n - 2, not of the input).
-fn inv_n_program() -> &'static [InvOp] {
-    static PROGRAM: OnceLock<Vec<InvOp>> = OnceLock::new();
-    PROGRAM.get_or_init(|| {
-        let mut p = Vec::with_capacity(320);
-        let sq = |p: &mut Vec<InvOp>, n: usize| p.extend(std::iter::repeat_n(InvOp::Sqr, n));
-        p.extend((2..16).map(InvOp::Tab));
-        p.push(InvOp::LoadX4);
-        sq(&mut p, 4);
-        p.push(InvOp::MulTab(15));
-        p.push(InvOp::Save(0)); // x8
-        sq(&mut p, 8);
-        p.push(InvOp::MulSlot(0));
-        p.push(InvOp::Save(1)); // x16
-        sq(&mut p, 16);
-        p.push(InvOp::MulSlot(1));
-        p.push(InvOp::Save(2)); // x32
-        sq(&mut p, 32);
-        for _ in 0..2 {
-            sq(&mut p, 32);
-            p.push(InvOp::MulSlot(2));
-        }
-        for w in (0..32).rev() {
-            let digit = ((N_MINUS_2_LOW >> (4 * w)) & 0xf) as u8;
-            sq(&mut p, 4);
-            if digit != 0 {
-                p.push(InvOp::MulTab(digit));
-            }
-        }
-        p
-    })
-}
-
-/// Work that can be interleaved with the base-point multiplication to fill the IFMA pipeline.
-pub(crate) trait SideWork {
-    /// Runs at most one multiplication's worth of work.
-    fn step(&mut self);
-}
-
-impl SideWork for () {
-    #[inline]
-    fn step(&mut self) {}
-}
-
-/// An inversion mod n in progress, executed one multiplication at a time.
-pub(crate) struct InvN {
-    tab: [L52x8; 16],
-    slot: [L52x8; 3],
-    t: L52x8,
-    pc: usize,
-}
-
-impl InvN {
-    /// Starts a^(n-2) (Montgomery in and out).
-    pub(crate) fn new(a: &L52x8) -> Self {
-        InvN { tab: [*a; 16], slot: [*a; 3], t: *a, pc: 0 }
-    }
-
-    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-    fn step_impl(&mut self) {
-        let prog = inv_n_program();
-        // The program counter and opcodes are public; only the values are secret.
-        while self.pc < prog.len() {
-            let op = prog[self.pc];
-            self.pc += 1;
-            match op {
-                InvOp::Tab(i) => {
-                    let i = i as usize;
-                    self.tab[i] = if i == 2 {
-                        fn_sqr(&self.tab[1])
-                    } else {
-                        fn_mul(&self.tab[i - 1], &self.tab[1])
-                    };
-                    return;
-                }
-                InvOp::Sqr => {
-                    self.t = fn_sqr(&self.t);
-                    return;
-                }
-                InvOp::MulTab(i) => {
-                    self.t = fn_mul(&self.t, &self.tab[i as usize]);
-                    return;
-                }
-                InvOp::MulSlot(i) => {
-                    self.t = fn_mul(&self.t, &self.slot[i as usize]);
-                    return;
-                }
-                InvOp::Save(i) => self.slot[i as usize] = self.t,
-                InvOp::LoadX4 => self.t = self.tab[15],
-            }
-        }
-    }
-
-    /// Runs the rest of the program and returns a^(n-2).
-    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-    pub(crate) fn finish(mut self) -> L52x8 {
-        while self.pc < inv_n_program().len() {
-            self.step_impl();
-        }
-        self.t
-    }
-}
-
-impl SideWork for InvN {
-    #[inline]
-    fn step(&mut self) {
-        // SAFETY: InvN values are only created and driven inside the IFMA kernels, which run
-        // after runtime detection of avx512f/avx512ifma/avx512vl.
-        unsafe { self.step_impl() }
-    }
-}
-
-/// Inversion mod n by Fermat, a^(n-2), with the fixed program above. Montgomery in and out.
-#[cfg(test)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn fn_inv(a: &L52x8) -> L52x8 {
-    InvN::new(a).finish()
+fn dual_mod() -> DualMod {
+    DualMod {
+        m: select(&splat5(&N), P_LANES, &splat5(&P)),
+        k0: U64x8::splat(N_K0).select(P_LANES, U64x8::splat(1)),
+        one: select(&splat5(&ONE_N), P_LANES, &splat5(&ONE_P)),
+    }
+}
+
+/// Montgomery product with a per-lane modulus (generic reduction step; valid for p with k0 = 1).
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+fn dual_mul(a: &L52x8, b: &L52x8, dm: &DualMod) -> L52x8 {
+    let mut t = mul_wide(a, b);
+    let mask = U64x8::splat(MASK52);
+    let (m, k0, z) = (&dm.m, dm.k0, U64x8::zero());
+    red_step!(t, 0, mask, m, k0, z);
+    red_step!(t, 1, mask, m, k0, z);
+    red_step!(t, 2, mask, m, k0, z);
+    red_step!(t, 3, mask, m, k0, z);
+    red_step!(t, 4, mask, m, k0, z);
+    carry([t[5], t[6], t[7], t[8], t[9]])
+}
+
+/// Montgomery square with a per-lane modulus.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+fn dual_sqr(a: &L52x8, dm: &DualMod) -> L52x8 {
+    let mut t = sqr_wide(a);
+    let mask = U64x8::splat(MASK52);
+    let (m, k0, z) = (&dm.m, dm.k0, U64x8::zero());
+    red_step!(t, 0, mask, m, k0, z);
+    red_step!(t, 1, mask, m, k0, z);
+    red_step!(t, 2, mask, m, k0, z);
+    red_step!(t, 3, mask, m, k0, z);
+    red_step!(t, 4, mask, m, k0, z);
+    carry([t[5], t[6], t[7], t[8], t[9]])
+}
+
+/// Fermat inversion with a per-lane modulus: lanes 0..3 get a^(n-2) mod n, lanes 4..7
+/// a^(p-2) mod p (Montgomery in and out). Fixed 4-bit windows over a table a^0..a^15: every
+/// window does four squarings and one multiplication in every lane; the table entry is chosen
+/// by the public exponent digits (one for the n lanes, one for the p lanes) and merged with a
+/// constant lane mask. Input 0 gives 0.
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn dual_inv(a: &L52x8) -> L52x8 {
+    let dm = dual_mod();
+    let mut tab = [dm.one; 16];
+    tab[1] = *a;
+    tab[2] = dual_sqr(a, &dm);
+    for i in 3..16 {
+        tab[i] = dual_mul(&tab[i - 1], a, &dm);
+    }
+    let digit = |e: &[u64; 4], w: usize| ((e[3 - w / 16] >> (4 * (w % 16))) & 0xf) as usize;
+    let mut t = select(&tab[digit(&N_MINUS_2, 63)], P_LANES, &tab[digit(&P_MINUS_2, 63)]);
+    for w in (0..63).rev() {
+        for _ in 0..4 {
+            t = dual_sqr(&t, &dm);
+        }
+        let e = select(&tab[digit(&N_MINUS_2, w)], P_LANES, &tab[digit(&P_MINUS_2, w)]);
+        t = dual_mul(&t, &e, &dm);
+    }
+    t
+}
+
+/// Moves lanes: lane i of the result is lane `idx[i]` of `a` (idx in 0..8, public).
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+fn permute(a: &L52x8, idx: &[u64; 8]) -> L52x8 {
+    let i = U64x8::from_array(*idx);
+    L52x8(std::array::from_fn(|l| U64x8::lookup16(a.0[l], i, a.0[l])))
+}
+
+/// Montgomery's trick across the 8 lanes of `a` (all nonzero): returns (P, O) with every lane
+/// of P the product of all lanes and O_i the product of all lanes but i, so a_i^-1 = P^-1 O_i.
+/// Three levels of lane swaps (i^1, i^2, i^4); `MOD_P` picks the modulus.
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+fn lane_products<const MOD_P: bool>(a: &L52x8) -> (L52x8, L52x8) {
+    // Closures inherit the enclosing function's target features.
+    let mul = |x: &L52x8, y: &L52x8| if MOD_P { fp_mul(x, y) } else { fn_mul(x, y) };
+    let s1 = permute(a, &[1, 0, 3, 2, 5, 4, 7, 6]);
+    let b = mul(a, &s1);
+    let s2 = permute(&b, &[2, 3, 0, 1, 6, 7, 4, 5]);
+    let c = mul(&b, &s2);
+    let s4 = permute(&c, &[4, 5, 6, 7, 0, 1, 2, 3]);
+    let all = mul(&c, &s4);
+    let others = mul(&mul(&s1, &s2), &s4);
+    (all, others)
+}
+
+/// k^-1 mod n and Z^-1 mod p for all lanes with a single exponentiation: the products of the
+/// eight k and of the eight Z share one vector (n lanes 0..3, p lanes 4..7) for [`dual_inv`].
+/// Every k and Z is nonzero by construction (k in [1, n), Z ≠ 0, see NOTES.md).
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn batch_invert(k: &L52x8, z: &L52x8) -> (L52x8, L52x8) {
+    let (pk, ok) = lane_products::<false>(k);
+    let (pz, oz) = lane_products::<true>(z);
+    let inv = dual_inv(&select(&pk, P_LANES, &pz));
+    let kinv = fn_mul(&permute(&inv, &[0; 8]), &ok);
+    let zinv = fp_mul(&permute(&inv, &[4; 8]), &oz);
+    (kinv, zinv)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -553,44 +499,22 @@ pub(crate) struct Jac52x8 {
 
 /// Mixed addition Jacobian + affine (add-1998-cmo-2 shape, 8M + 3S). Requires P1 ≠ ±P2 and
 /// P1 ≠ O; the base-point multiplication guarantees both by construction or masks the result.
-#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn point_add_mixed(p1: &Jac52x8, x2: &L52x8, y2: &L52x8) -> Jac52x8 {
-    point_add_mixed_with(p1, x2, y2, &mut ())
-}
-
-/// [`point_add_mixed`] with up to 8 steps of independent `side` work slotted between its
-/// dependent multiplications, so that the out-of-order core overlaps the two chains.
-#[inline]
-#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn point_add_mixed_with<S: SideWork>(
-    p1: &Jac52x8,
-    x2: &L52x8,
-    y2: &L52x8,
-    side: &mut S,
-) -> Jac52x8 {
     let z1z1 = fp_sqr(&p1.z);
-    side.step();
     let u2 = fp_mul(x2, &z1z1);
-    side.step();
     let z1z1z1 = fp_mul(&p1.z, &z1z1);
-    side.step();
     let s2 = fp_mul(y2, &z1z1z1);
     let h = fp_sub(&u2, &p1.x);
-    side.step();
     let r = fp_sub(&s2, &p1.y);
     let hh = fp_sqr(&h);
-    side.step();
     let z3 = fp_mul(&p1.z, &h);
     let hhh = fp_mul(&h, &hh);
-    side.step();
     let v = fp_mul(&p1.x, &hh);
     let rr = fp_sqr(&r);
-    side.step();
     let y1hhh = fp_mul(&p1.y, &hhh);
     let x3 = fp_sub(&fp_sub(&rr, &hhh), &fp_add(&v, &v));
-    side.step();
     let y3 = fp_sub(&fp_mul(&r, &fp_sub(&v, &x3)), &y1hhh);
     Jac52x8 { x: x3, y: y3, z: z3 }
 }
@@ -717,10 +641,9 @@ pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
 /// is kept by masked blend where the digit is 0 and replaced by the table point where the
 /// accumulator is still the point at infinity. No branch or address depends on the scalar.
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn base_mul<S: SideWork>(
+pub(crate) fn base_mul(
     digits_abs: &[[u64; 8]; WINDOWS],
     digits_neg: &[[u64; 8]; WINDOWS],
-    side: &mut S,
 ) -> Jac52x8 {
     let table = base_table();
     let one = U64x8::splat(1);
@@ -769,7 +692,7 @@ pub(crate) fn base_mul<S: SideWork>(
             // `w` is public: the accumulator is O in every lane before the first window.
             fresh
         } else {
-            let sum = point_add_mixed_with(&acc, &x, &y, side);
+            let sum = point_add_mixed(&acc, &x, &y);
             select_point(&sum, inf, &fresh)
         };
         acc = select_point(&next, zero_d, &acc);
@@ -803,10 +726,8 @@ pub(crate) fn sign8(
     let rrn = splat5(&RR_N);
     let kv = load(&lanes(k));
     // k^-1 mod n runs interleaved with the point additions (independent chains).
-    let mut kinv = InvN::new(&fn_mul(&kv, &rrn));
-    let q = base_mul(&abs, &neg, &mut kinv);
-    let kinv = kinv.finish(); // k^-1 * R
-    let zi = fp_inv(&q.z);
+    let q = base_mul(&abs, &neg);
+    let (kinv, zi) = batch_invert(&fn_mul(&kv, &rrn), &q.z); // k^-1 R mod n, Z^-1 R mod p
     let zi2 = fp_sqr(&zi);
     let x = fp_from_mont(&fp_mul(&q.x, &zi2));
     let nn = splat5(&N);

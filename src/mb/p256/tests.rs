@@ -214,40 +214,69 @@ fn fp_add_sub_match_bignum() {
 }
 
 #[test]
-fn fn_mul_sqr_match_bignum() {
+fn fn_mul_matches_bignum() {
     check_binary(6, 3000, 258, 257, fn_mul, |c, a, b| mont_ref(c, a, b, false), false);
-    unsafe fn sqr(a: &L52x8, _b: &L52x8) -> L52x8 {
-        fn_sqr(a)
-    }
-    check_binary(7, 3000, 258, 257, sqr, |c, a, _| mont_ref(c, a, a, false), false);
 }
 
+/// Montgomery in and out: inv(aR) = a^-1 R, i.e. canonical result = R^2 / a_mont (0 for 0).
+fn inv_ref(c: &mut Ctx, a: &BigNum, is_p: bool) -> BigNum {
+    let m = if is_p { &c.p } else { &c.n };
+    let mut a_red = BigNum::new().unwrap();
+    a_red.nnmod(a, m, &mut c.ctx).unwrap();
+    if a_red.num_bits() == 0 {
+        return BigNum::new().unwrap();
+    }
+    let mut r2 = BigNum::new().unwrap();
+    r2.set_bit(520).unwrap();
+    let mut ai = BigNum::new().unwrap();
+    ai.mod_inverse(&a_red, m, &mut c.ctx).unwrap();
+    let mut t = BigNum::new().unwrap();
+    t.mod_mul(&ai, &r2, m, &mut c.ctx).unwrap();
+    t
+}
+
+/// The dual-modulus Fermat inversion (lanes 0..3 mod n, 4..7 mod p), and the batch inversion
+/// through lane products, against BigNum with a different value in every lane.
 #[test]
 fn inversions_match_bignum() {
-    unsafe fn inv_p(a: &L52x8, _b: &L52x8) -> L52x8 {
-        fp_inv(a)
+    if !ifma() {
+        return;
     }
-    unsafe fn inv_n(a: &L52x8, _b: &L52x8) -> L52x8 {
-        fn_inv(a)
-    }
-    // Montgomery in and out: inv(aR) = a^-1 R, i.e. canonical result = R^2 / a_mont.
-    let inv_ref = |c: &mut Ctx, a: &BigNum, is_p: bool| {
-        let m = if is_p { &c.p } else { &c.n };
-        let mut a_red = BigNum::new().unwrap();
-        a_red.nnmod(a, m, &mut c.ctx).unwrap();
-        if a_red.num_bits() == 0 {
-            return BigNum::new().unwrap();
+    let mut c = ctx();
+    let mut rng = ChaCha20Rng::seed_from_u64(8);
+    for case in 0..60 {
+        let a: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        let mut k: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        let mut z: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        if case == 0 {
+            k[2] = ONE_N; // Montgomery 1 (an unused lane's k)
+            z[5] = P; // ≡ 0 would break the trick; never produced, so replace by p + 1
+            z[5][0] += 1;
         }
-        let mut r2 = BigNum::new().unwrap();
-        r2.set_bit(520).unwrap();
-        let mut ai = BigNum::new().unwrap();
-        ai.mod_inverse(&a_red, m, &mut c.ctx).unwrap();
-        let mut t = BigNum::new().unwrap();
-        t.mod_mul(&ai, &r2, m, &mut c.ctx).unwrap();
-        t
-    };
-    check_binary(8, 60, 257, 257, inv_p, move |c, a, _| inv_ref(c, a, true), true);
-    check_binary(9, 60, 257, 257, inv_n, move |c, a, _| inv_ref(c, a, false), false);
+        for v in k.iter_mut().chain(z.iter_mut()) {
+            // Lane products need nonzero residues (k in [1, n), Z ≠ 0 by construction).
+            if bn_from_limbs(v).num_bits() == 0 || *v == N || *v == P {
+                v[0] = 7;
+            }
+        }
+        // SAFETY: IFMA detected above.
+        let (d, kc, zc) = unsafe {
+            let d = dual_inv(&load(&a));
+            let dn = store(&fn_canon(&d));
+            let dp = store(&fp_canon(&d));
+            let (ki, zi) = batch_invert(&load(&k), &load(&z));
+            let d: [[u64; 5]; 8] = std::array::from_fn(|i| if i < 4 { dn[i] } else { dp[i] });
+            (d, store(&fn_canon(&ki)), store(&fp_canon(&zi)))
+        };
+        for i in 0..8 {
+            let want = inv_ref(&mut c, &bn_from_limbs(&a[i]), i >= 4);
+            assert_eq!(bn_from_limbs(&d[i]), want, "dual lane {i}");
+            let want = inv_ref(&mut c, &bn_from_limbs(&k[i]), false);
+            assert_eq!(bn_from_limbs(&kc[i]), want, "k lane {i}");
+            let want = inv_ref(&mut c, &bn_from_limbs(&z[i]), true);
+            assert_eq!(bn_from_limbs(&zc[i]), want, "z lane {i}");
+        }
+    }
 }
 
 fn group() -> EcGroup {
@@ -455,7 +484,7 @@ fn base_mul_matches_ecpoint() {
         }
         // SAFETY: IFMA detected above.
         let (x, y, z) = unsafe {
-            let q = base_mul(&abs, &neg, &mut ());
+            let q = base_mul(&abs, &neg);
             (store(&q.x), store(&q.y), store(&q.z))
         };
         for lane in 0..8 {
@@ -539,25 +568,17 @@ fn perf_probe() {
     println!("fp_mul 2 chains   {r:8.1} ns per pair");
     let r = best_ns(200, || x = unsafe { fn_mul(&x, &x) });
     println!("fn_mul chain      {r:8.1} ns");
-    let r = best_ns(200, || x = unsafe { fn_sqr(&x) });
-    println!("fn_sqr chain      {r:8.1} ns");
-    let r = best_ns(2, || x = unsafe { fp_inv(&x) });
-    println!("fp_inv            {r:8.1} ns");
-    let r = best_ns(2, || x = unsafe { fn_inv(&x) });
-    println!("fn_inv            {r:8.1} ns");
+    let r = best_ns(2, || x = unsafe { dual_inv(&x) });
+    println!("dual_inv          {r:8.1} ns");
+    let r = best_ns(2, || unsafe { (x, y) = batch_invert(&x, &y) });
+    println!("batch_invert      {r:8.1} ns");
     let mut j = Jac52x8 { x, y, z: x };
     let r = best_ns(20, || j = unsafe { point_add_mixed(&j, &x, &y) });
     println!("point_add_mixed   {r:8.1} ns");
     let abs = [[5u64; 8]; WINDOWS];
     let neg = [[1u64; 8]; WINDOWS];
-    let r = best_ns(1, || j = unsafe { base_mul(&abs, &neg, &mut ()) });
+    let r = best_ns(1, || j = unsafe { base_mul(&abs, &neg) });
     println!("base_mul          {r:8.1} ns");
-    let r = best_ns(1, || {
-        let mut inv = InvN::new(&x);
-        j = unsafe { base_mul(&abs, &neg, &mut inv) };
-        x = unsafe { inv.finish() };
-    });
-    println!("base_mul+fn_inv   {r:8.1} ns");
     let d = [[7u8; 32]; 8];
     let r = best_ns(1, || {
         bb(unsafe { sign8(&d, &d, &d) });
@@ -572,21 +593,6 @@ fn perf_probe() {
         bb(unsafe { sign8(&d, &d, &kr) });
     });
     println!("sign8 random k    {r:8.1} ns");
-    let r = best_ns(1, || {
-        let kv = unsafe { load(&std::array::from_fn(|i| bytes_to_limbs(&kr[i]))) };
-        let (mut abs, mut neg) = ([[0u64; 8]; WINDOWS], [[0u64; 8]; WINDOWS]);
-        for lane in 0..8 {
-            let (a, s) = recode(&kr[lane]);
-            for w in 0..WINDOWS {
-                abs[w][lane] = a[w];
-                neg[w][lane] = s[w];
-            }
-        }
-        let mut inv = InvN::new(&kv);
-        j = unsafe { base_mul(&abs, &neg, &mut inv) };
-        x = unsafe { inv.finish() };
-    });
-    println!("base_mul+inv rnd  {r:8.1} ns");
     let h = [9u8; 32];
     let r = best_ns(1, || {
         let mut g = super::nonce::Rfc6979::new(&d[0], &h, Some(&h));
