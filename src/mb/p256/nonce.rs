@@ -1,0 +1,196 @@
+//! Hedged RFC 6979 nonces: HMAC-DRBG (HMAC-SHA-256) seeded with the private key and the message
+//! hash, plus 32 fresh random bytes as the additional input `k'` of RFC 6979 section 3.6.
+//!
+//! Deterministic mode (no fresh bytes) reproduces RFC 6979 exactly; it exists for known-answer
+//! tests. The DRBG keeps its state so that a retry (r = 0 or s = 0) draws the next candidate as
+//! section 3.2 step h.3 prescribes.
+
+use std::sync::OnceLock;
+
+use super::sha::{mac_lanes, Hmac};
+
+/// Group order n, big-endian.
+pub(crate) const N_BE: [u8; 32] = [
+    0xff, 0xff, 0xff, 0xff, 0x00, 0x00, 0x00, 0x00, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+    0xbc, 0xe6, 0xfa, 0xad, 0xa7, 0x17, 0x9e, 0x84, 0xf3, 0xb9, 0xca, 0xc2, 0xfc, 0x63, 0x25, 0x51,
+];
+
+/// `a < b` for 32-byte big-endian values, without branches on the data.
+pub(crate) fn lt_be(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let mut borrow = 0u16;
+    for i in (0..32).rev() {
+        let d = (a[i] as u16).wrapping_sub(b[i] as u16).wrapping_sub(borrow);
+        borrow = (d >> 8) & 1;
+    }
+    borrow == 1
+}
+
+/// `a - b` for 32-byte big-endian values (wrapping), branch-free.
+fn sub_be(a: &[u8; 32], b: &[u8; 32]) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    let mut borrow = 0u16;
+    for i in (0..32).rev() {
+        let d = (a[i] as u16).wrapping_sub(b[i] as u16).wrapping_sub(borrow);
+        out[i] = d as u8;
+        borrow = (d >> 8) & 1;
+    }
+    out
+}
+
+/// bits2octets(h) for P-256/SHA-256: h as an integer, reduced once mod n (h < 2^256 < 2n).
+pub(crate) fn bits2octets(h: &[u8; 32]) -> [u8; 32] {
+    let reduced = sub_be(h, &N_BE);
+    let keep = lt_be(h, &N_BE);
+    let mask = 0u8.wrapping_sub(keep as u8);
+    std::array::from_fn(|i| (h[i] & mask) | (reduced[i] & !mask))
+}
+
+fn refs(m: &[Vec<u8>]) -> Vec<&[u8]> {
+    m.iter().map(|v| v.as_slice()).collect()
+}
+
+fn vrefs(v: &[[u8; 32]]) -> Vec<&[u8]> {
+    v.iter().map(|v| v.as_slice()).collect()
+}
+
+/// The initial key K = 0x00..00 is a constant: its pad states are computed once.
+fn k0() -> &'static Hmac {
+    static K0: OnceLock<Hmac> = OnceLock::new();
+    K0.get_or_init(|| Hmac::new(&[0u8; 32]))
+}
+
+/// A candidate is used when 0 < t < n (RFC 6979 section 3.2 step h.3).
+fn valid(t: &[u8; 32]) -> bool {
+    t.iter().fold(0u8, |a, &b| a | b) != 0 && lt_be(t, &N_BE)
+}
+
+/// RFC 6979 HMAC-DRBG state for one signature.
+pub(crate) struct Rfc6979 {
+    k: Hmac,
+    v: [u8; 32],
+    first: bool,
+}
+
+impl Rfc6979 {
+    /// Section 3.2 steps b–f, with `extra` as the additional data k' of section 3.6.
+    /// `x`: private key (32 bytes, big-endian); `h`: SHA-256 of the message.
+    pub(crate) fn new(x: &[u8; 32], h: &[u8; 32], extra: Option<&[u8; 32]>) -> Self {
+        let h1 = bits2octets(h);
+        let extra: &[u8] = match extra {
+            Some(e) => e,
+            None => &[],
+        };
+        let mut v = [0x01u8; 32];
+        let kb = k0().mac(&[&v, &[0x00], x, &h1, extra]);
+        let mut k = Hmac::new(&kb);
+        v = k.mac(&[&v]);
+        let kb = k.mac(&[&v, &[0x01], x, &h1, extra]);
+        k = Hmac::new(&kb);
+        v = k.mac(&[&v]);
+        Rfc6979 { k, v, first: true }
+    }
+
+    /// [`Rfc6979::new`] followed by the first [`Rfc6979::next_k`] for several lanes at once, in
+    /// lockstep (each HMAC step runs for every lane before the next step), which lets the
+    /// independent SHA-256 chains of different lanes overlap. All lanes hedge or none do.
+    pub(crate) fn new_lanes(
+        x: &[[u8; 32]],
+        h: &[[u8; 32]],
+        extra: Option<&[[u8; 32]]>,
+    ) -> (Vec<Self>, Vec<[u8; 32]>) {
+        let n = x.len();
+        let h1: Vec<[u8; 32]> = h.iter().map(bits2octets).collect();
+        let seed = |v: &[[u8; 32]], sep: u8| -> Vec<Vec<u8>> {
+            (0..n)
+                .map(|i| {
+                    let mut m = Vec::with_capacity(129);
+                    m.extend_from_slice(&v[i]);
+                    m.push(sep);
+                    m.extend_from_slice(&x[i]);
+                    m.extend_from_slice(&h1[i]);
+                    if let Some(e) = extra {
+                        m.extend_from_slice(&e[i]);
+                    }
+                    m
+                })
+                .collect()
+        };
+        let mut v = vec![[0x01u8; 32]; n];
+        let k0 = k0();
+        let m = seed(&v, 0x00);
+        let mut k = Hmac::new_lanes(&mac_lanes(&vec![k0; n], &refs(&m)));
+        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
+        let m = seed(&v, 0x01);
+        k = Hmac::new_lanes(&mac_lanes(&k.iter().collect::<Vec<_>>(), &refs(&m)));
+        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
+        // Step h, first candidate for every lane.
+        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
+        let mut gens: Vec<Self> =
+            k.into_iter().zip(&v).map(|(k, v)| Rfc6979 { k, v: *v, first: false }).collect();
+        let ks =
+            gens.iter_mut().zip(&v).map(|(g, t)| if valid(t) { *t } else { g.next_k() }).collect();
+        (gens, ks)
+    }
+
+    /// Section 3.2 step h: the next candidate k in [1, n). The loop rejects a candidate with
+    /// probability ~2^-32; that branch reveals only that a discarded value was out of range.
+    pub(crate) fn next_k(&mut self) -> [u8; 32] {
+        loop {
+            if !self.first {
+                let kb = self.k.mac(&[&self.v, &[0x00]]);
+                self.k = Hmac::new(&kb);
+                self.v = self.k.mac(&[&self.v]);
+            }
+            self.first = false;
+            self.v = self.k.mac(&[&self.v]);
+            if valid(&self.v) {
+                return self.v;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hmac_known_answer() {
+        // Expected value from an independent HMAC-SHA-256 implementation (Python's hmac module).
+        let key = [7u8; 32];
+        let msg = b"the quick brown fox jumps over the lazy dog, several times over";
+        let want = "548ac2799f16cc969f89da6528c36c5b40b9f2f2c840f9bf85024bc5006db8a9";
+        let got = Hmac::new(&key).mac(&[&msg[..10], &msg[10..]]);
+        let hex: String = got.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, want);
+    }
+
+    #[test]
+    fn lockstep_matches_single_lane() {
+        let x: Vec<[u8; 32]> = (0..8u8).map(|i| [i + 1; 32]).collect();
+        let h: Vec<[u8; 32]> = (0..8u8).map(|i| [0xf0 ^ i; 32]).collect();
+        let e: Vec<[u8; 32]> = (0..8u8).map(|i| [0x33 + i; 32]).collect();
+        for extra in [None, Some(&e[..])] {
+            let (mut gens, ks) = Rfc6979::new_lanes(&x, &h, extra);
+            for i in 0..8 {
+                let mut single = Rfc6979::new(&x[i], &h[i], extra.map(|e| &e[i]));
+                assert_eq!(ks[i], single.next_k(), "lane {i}");
+                assert_eq!(gens[i].next_k(), single.next_k(), "retry candidate, lane {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn compare_and_reduce() {
+        let mut big = N_BE;
+        big[31] = 0x60;
+        assert!(!lt_be(&big, &N_BE));
+        assert!(!lt_be(&N_BE, &N_BE));
+        assert!(lt_be(&[0u8; 32], &N_BE));
+        let r = bits2octets(&big);
+        let mut want = [0u8; 32];
+        want[31] = 0x0f;
+        assert_eq!(r, want);
+        assert_eq!(bits2octets(&[1u8; 32]), [1u8; 32]);
+    }
+}
