@@ -10,6 +10,6 @@ pub mod mb;
 pub mod metrics;
 pub mod proxy;
 pub mod signer;
+pub mod speed;
 pub mod state;
 pub mod tls;
-pub mod speed;

@@ -108,11 +108,11 @@ fn tls_client(ca_dir: &std::path::Path) -> (Arc<TlsProvider>, Arc<Metrics>) {
     let ca = DevCa::load_or_create(ca_dir, "cluster.local").unwrap();
     let store = Arc::new(CertStore::new(ca, KeyAlgorithm::EcdsaP256, Duration::from_secs(3600)));
     let mut reg = Registry::default();
-    let metrics = Arc::new(Metrics::new(&mut reg, mbtunnel::mb::backend_choice()));
+    let metrics = Arc::new(Metrics::new(&mut reg));
     (
         Arc::new(TlsProvider::new(
             store,
-            Signer::start(1),
+            Signer::start(mbtunnel::signer::SignerConfig { threads: 1, ..Default::default() }),
             "cluster.local".into(),
             metrics.clone(),
         )),
