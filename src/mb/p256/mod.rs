@@ -205,11 +205,12 @@ fn sign_chunk_ifma(
     // Nonce generators, advanced in lockstep for the first candidate of every lane.
     let (mut drbg, first): (Vec<Option<nonce::Rfc6979>>, Vec<[u8; 32]>) = match nonces {
         Nonces::Hedged | Nonces::Deterministic => {
-            let extra: Vec<[u8; 32]> =
-                (0..n).map(|i| extra[32 * i..32 * i + 32].try_into().unwrap()).collect();
-            let hedge = matches!(nonces, Nonces::Hedged).then_some(&extra[..]);
-            let (g, k) = nonce::Rfc6979::new_lanes(&d[..n], &e[..n], hedge);
-            (g.into_iter().map(Some).collect(), k)
+            // All eight lanes run (unused ones on the dummy key); only the first n are kept.
+            let extra: [[u8; 32]; LANES] =
+                std::array::from_fn(|i| extra[32 * i..32 * i + 32].try_into().unwrap());
+            let hedge = matches!(nonces, Nonces::Hedged).then_some(&extra);
+            let (g, k) = nonce::Rfc6979::new_lanes(&d, &e, hedge);
+            (g.into_iter().take(n).map(Some).collect(), k[..n].to_vec())
         }
         Nonces::Injected(_) => ((0..n).map(|_| None).collect(), Vec::new()),
     };

@@ -45,14 +45,6 @@ pub(crate) fn bits2octets(h: &[u8; 32]) -> [u8; 32] {
     std::array::from_fn(|i| (h[i] & mask) | (reduced[i] & !mask))
 }
 
-fn refs(m: &[Vec<u8>]) -> Vec<&[u8]> {
-    m.iter().map(|v| v.as_slice()).collect()
-}
-
-fn vrefs(v: &[[u8; 32]]) -> Vec<&[u8]> {
-    v.iter().map(|v| v.as_slice()).collect()
-}
-
 /// The initial key K = 0x00..00 is a constant: its pad states are computed once.
 fn k0() -> &'static Hmac {
     static K0: OnceLock<Hmac> = OnceLock::new();
@@ -90,45 +82,51 @@ impl Rfc6979 {
         Rfc6979 { k, v, first: true }
     }
 
-    /// [`Rfc6979::new`] followed by the first [`Rfc6979::next_k`] for several lanes at once, in
-    /// lockstep (each HMAC step runs for every lane before the next step), which lets the
-    /// independent SHA-256 chains of different lanes overlap. All lanes hedge or none do.
+    /// [`Rfc6979::new`] followed by the first [`Rfc6979::next_k`] for eight lanes at once, in
+    /// lockstep (each HMAC step runs for every lane before the next step, eight SHA-256
+    /// compressions per instruction stream). All lanes hedge or none do.
     pub(crate) fn new_lanes(
-        x: &[[u8; 32]],
-        h: &[[u8; 32]],
-        extra: Option<&[[u8; 32]]>,
-    ) -> (Vec<Self>, Vec<[u8; 32]>) {
-        let n = x.len();
-        let h1: Vec<[u8; 32]> = h.iter().map(bits2octets).collect();
-        let seed = |v: &[[u8; 32]], sep: u8| -> Vec<Vec<u8>> {
-            (0..n)
-                .map(|i| {
-                    let mut m = Vec::with_capacity(129);
-                    m.extend_from_slice(&v[i]);
-                    m.push(sep);
-                    m.extend_from_slice(&x[i]);
-                    m.extend_from_slice(&h1[i]);
-                    if let Some(e) = extra {
-                        m.extend_from_slice(&e[i]);
-                    }
-                    m
-                })
-                .collect()
+        x: &[[u8; 32]; 8],
+        h: &[[u8; 32]; 8],
+        extra: Option<&[[u8; 32]; 8]>,
+    ) -> ([Self; 8], [[u8; 32]; 8]) {
+        let h1: [[u8; 32]; 8] = std::array::from_fn(|l| bits2octets(&h[l]));
+        let seed_len = if extra.is_some() { 129 } else { 97 };
+        let seed = |v: &[[u8; 32]; 8], sep: u8| -> [[u8; 192]; 8] {
+            std::array::from_fn(|l| {
+                let mut m = [0u8; 192];
+                m[..32].copy_from_slice(&v[l]);
+                m[32] = sep;
+                m[33..65].copy_from_slice(&x[l]);
+                m[65..97].copy_from_slice(&h1[l]);
+                if let Some(e) = extra {
+                    m[97..129].copy_from_slice(&e[l]);
+                }
+                m
+            })
         };
-        let mut v = vec![[0x01u8; 32]; n];
+        let vmsg = |v: &[[u8; 32]; 8]| -> [[u8; 192]; 8] {
+            std::array::from_fn(|l| {
+                let mut m = [0u8; 192];
+                m[..32].copy_from_slice(&v[l]);
+                m
+            })
+        };
         let k0 = k0();
-        let m = seed(&v, 0x00);
-        let mut k = Hmac::new_lanes(&mac_lanes(&vec![k0; n], &refs(&m)));
-        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
-        let m = seed(&v, 0x01);
-        k = Hmac::new_lanes(&mac_lanes(&k.iter().collect::<Vec<_>>(), &refs(&m)));
-        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
+        let mut v = [[0x01u8; 32]; 8];
+        let mut k = Hmac::new_lanes(&mac_lanes(
+            &std::array::from_fn(|_| k0.clone()),
+            &mut seed(&v, 0x00),
+            seed_len,
+        ));
+        v = mac_lanes(&k, &mut vmsg(&v), 32);
+        k = Hmac::new_lanes(&mac_lanes(&k, &mut seed(&v, 0x01), seed_len));
+        v = mac_lanes(&k, &mut vmsg(&v), 32);
         // Step h, first candidate for every lane.
-        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
-        let mut gens: Vec<Self> =
-            k.into_iter().zip(&v).map(|(k, v)| Rfc6979 { k, v: *v, first: false }).collect();
-        let ks =
-            gens.iter_mut().zip(&v).map(|(g, t)| if valid(t) { *t } else { g.next_k() }).collect();
+        v = mac_lanes(&k, &mut vmsg(&v), 32);
+        let mut gens: [Self; 8] =
+            std::array::from_fn(|l| Rfc6979 { k: k[l].clone(), v: v[l], first: false });
+        let ks = std::array::from_fn(|l| if valid(&v[l]) { v[l] } else { gens[l].next_k() });
         (gens, ks)
     }
 
@@ -167,10 +165,10 @@ mod tests {
 
     #[test]
     fn lockstep_matches_single_lane() {
-        let x: Vec<[u8; 32]> = (0..8u8).map(|i| [i + 1; 32]).collect();
-        let h: Vec<[u8; 32]> = (0..8u8).map(|i| [0xf0 ^ i; 32]).collect();
-        let e: Vec<[u8; 32]> = (0..8u8).map(|i| [0x33 + i; 32]).collect();
-        for extra in [None, Some(&e[..])] {
+        let x: [[u8; 32]; 8] = std::array::from_fn(|i| [i as u8 + 1; 32]);
+        let h: [[u8; 32]; 8] = std::array::from_fn(|i| [0xf0 ^ i as u8; 32]);
+        let e: [[u8; 32]; 8] = std::array::from_fn(|i| [0x33 + i as u8; 32]);
+        for extra in [None, Some(&e)] {
             let (mut gens, ks) = Rfc6979::new_lanes(&x, &h, extra);
             for i in 0..8 {
                 let mut single = Rfc6979::new(&x[i], &h[i], extra.map(|e| &e[i]));
