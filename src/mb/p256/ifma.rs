@@ -393,8 +393,11 @@ pub(crate) fn dual_inv(a: &L52x8) -> L52x8 {
         for _ in 0..4 {
             t = dual_sqr(&t, &dm);
         }
-        let e = select(&tab[digit(&N_MINUS_2, w)], P_LANES, &tab[digit(&P_MINUS_2, w)]);
-        t = dual_mul(&t, &e, &dm);
+        let (dn, dp) = (digit(&N_MINUS_2, w), digit(&P_MINUS_2, w));
+        if dn != 0 || dp != 0 {
+            // Both digits zero (7 windows of p - 2's zero run) would multiply by one: skipped.
+            t = dual_mul(&t, &select(&tab[dn], P_LANES, &tab[dp]), &dm);
+        }
     }
     t
 }
