@@ -469,3 +469,25 @@ fn speed_ratio_report() {
         }
     }
 }
+
+#[test]
+fn keys_are_shareable_across_signer_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<EcdsaKey>();
+    let (_, key) = gen_key();
+    let key = std::sync::Arc::new(key);
+    let backend = if ifma() { Backend::Ifma } else { Backend::Scalar };
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let key = key.clone();
+            std::thread::spawn(move || {
+                let msg = format!("thread {i}");
+                let sig = p256::sign_batch_with(backend, &[&key], &[msg.as_bytes()]);
+                assert!(verifies(sig[0].as_ref().unwrap(), msg.as_bytes(), &key));
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}

@@ -564,7 +564,7 @@ pub(crate) fn base_table() -> &'static BaseTable {
     TABLE.get_or_init(|| build_table().expect("P-256 base table"))
 }
 
-fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
+pub(crate) fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
     use boring::bn::{BigNum, BigNumContext};
     use boring::ec::{EcGroup, EcPoint};
     use boring::nid::Nid;

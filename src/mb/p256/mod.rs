@@ -112,6 +112,17 @@ pub fn sign_batch_with(
 }
 
 /// SHA-256 of the message (BoringSSL's one-shot `SHA256`, no EVP context allocation).
+/// Builds the IFMA kernels' precomputed base-point table now (185 KiB, computed once per
+/// process with BoringSSL's point arithmetic, ~10–15 ms here) so that the first batch does not
+/// pay for it.
+/// Does nothing on a CPU without AVX-512 IFMA. Safe to call more than once.
+pub fn prepare() {
+    #[cfg(target_arch = "x86_64")]
+    if crate::mb::cpu_features().ifma_capable() {
+        ifma::base_table();
+    }
+}
+
 fn sha256(m: &[u8]) -> [u8; 32] {
     boring::sha::sha256(m)
 }

@@ -552,6 +552,9 @@ fn perf_probe() {
         return;
     }
     use std::hint::black_box as bb;
+    let t = std::time::Instant::now();
+    bb(build_table().unwrap());
+    println!("table build       {:8.1} ns", t.elapsed().as_nanos() as f64);
     let mut rng = ChaCha20Rng::seed_from_u64(99);
     let a: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 256));
     // SAFETY (all blocks): IFMA detected above.
