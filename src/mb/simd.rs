@@ -163,3 +163,21 @@ impl U64x8 {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(C, align(64))]
 pub struct Aligned8(pub [u64; 8]);
+
+// --- added for p256 (shifts by a run-time count)
+impl U64x8 {
+    /// Logical shift right of every lane by `n` bits (`n` public, same for all lanes; ≥ 64
+    /// gives 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn shr_by(self, n: u32) -> Self {
+        Self(_mm512_srl_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
+    }
+
+    /// Shift left of every lane by `n` bits (`n` public; ≥ 64 gives 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn shl_by(self, n: u32) -> Self {
+        Self(_mm512_sll_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
+    }
+}

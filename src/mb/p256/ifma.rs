@@ -612,9 +612,11 @@ pub(crate) fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
     Ok(BaseTable(rows))
 }
 
-/// Signed W-bit recoding of a scalar below 2^255: WINDOWS digits in [-2^(W-1), 2^(W-1)] as
+/// Scalar reference for [`recode8`] (tests). Signed W-bit recoding of a scalar below 2^255:
+/// WINDOWS digits in [-2^(W-1), 2^(W-1)] as
 /// (|d|, sign) per window. Branch-free integer arithmetic; loop bounds and bit positions are
 /// public.
+#[cfg(test)]
 pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
     let words: [u64; 4] =
         std::array::from_fn(|i| u64::from_be_bytes(k[24 - 8 * i..32 - 8 * i].try_into().unwrap()));
@@ -637,6 +639,40 @@ pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
     (abs, neg)
 }
 
+/// [`recode`] for eight lanes at once: digit vectors (|d| per lane) and sign masks per window.
+/// Bit positions and shift counts are public; the data flows only through vector arithmetic.
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn recode8(k: &[[u8; 32]; 8]) -> ([U64x8; WINDOWS], [Mask8; WINDOWS]) {
+    let words: [U64x8; 4] = std::array::from_fn(|j| {
+        U64x8::from_array(std::array::from_fn(|l| {
+            u64::from_be_bytes(k[l][24 - 8 * j..32 - 8 * j].try_into().unwrap())
+        }))
+    });
+    let chunk_mask = U64x8::splat((1 << W) - 1);
+    let bias = U64x8::splat((1 << (W - 1)) - 1);
+    let zero = U64x8::zero();
+    let mut carry = zero;
+    let mut abs = [zero; WINDOWS];
+    let mut neg: [Mask8; WINDOWS] = [0; WINDOWS];
+    for i in 0..WINDOWS {
+        let bit = W * i;
+        let (w, off) = (bit / 64, (bit % 64) as u32);
+        let mut chunk = words[w].shr_by(off);
+        if w + 1 < 4 && off as usize + W > 64 {
+            chunk = chunk.or(words[w + 1].shl_by(64 - off));
+        }
+        let v = chunk.and(chunk_mask).add(carry);
+        let c = v.add(bias).shr::<{ W as u32 }>(); // 1 iff v > 2^(W-1)
+        let d = v.sub(c.shl::<{ W as u32 }>());
+        carry = c;
+        let s = d.sra::<63>();
+        abs[i] = d.xor(s).sub(s);
+        neg[i] = s.eq_mask(U64x8::splat(u64::MAX));
+    }
+    (abs, neg)
+}
+
 /// k*G for eight secret scalars (each < 2^255), as Jacobian points in the Montgomery domain.
 ///
 /// Per window: read all 8 table entries with broadcast loads and keep the wanted one by
@@ -644,10 +680,7 @@ pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
 /// is kept by masked blend where the digit is 0 and replaced by the table point where the
 /// accumulator is still the point at infinity. No branch or address depends on the scalar.
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn base_mul(
-    digits_abs: &[[u64; 8]; WINDOWS],
-    digits_neg: &[[u64; 8]; WINDOWS],
-) -> Jac52x8 {
+pub(crate) fn base_mul(digits_abs: &[U64x8; WINDOWS], digits_neg: &[Mask8; WINDOWS]) -> Jac52x8 {
     let table = base_table();
     let one = U64x8::splat(1);
     let p = splat5(&P);
@@ -655,8 +688,8 @@ pub(crate) fn base_mul(
     let mut acc = Jac52x8 { x: one_m, y: one_m, z: one_m };
     let mut inf: Mask8 = 0xff;
     for w in 0..WINDOWS {
-        let a = U64x8::from_array(digits_abs[w]);
-        let negm = U64x8::from_array(digits_neg[w]).eq_mask(one);
+        let a = digits_abs[w];
+        let negm = digits_neg[w];
         let zero_d = a.eq_mask(U64x8::zero());
         let z = U64x8::zero();
         // Per-lane lookup of entry |d| - 1 (|d| = 0 reads some entry; the result is discarded
@@ -713,22 +746,13 @@ pub(crate) fn sign8(
     e: &[[u8; 32]; 8],
     k: &[[u8; 32]; 8],
 ) -> ([[u8; 32]; 8], [[u8; 32]; 8]) {
-    // kk = k if k < 2^255 else n - k: kk*G = ±k*G has the same x, and kk fits 64 signed windows.
+    // kk = k if k < 2^255 else n - k: kk*G = ±k*G has the same x, and kk fits the windows.
     let lanes =
         |b: &[[u8; 32]; 8]| -> [[u64; 5]; 8] { std::array::from_fn(|i| bytes_to_limbs(&b[i])) };
-    let mut abs = [[0u64; 8]; WINDOWS];
-    let mut neg = [[0u64; 8]; WINDOWS];
-    for lane in 0..8 {
-        let kk = min_k(&k[lane]);
-        let (a, s) = recode(&kk);
-        for w in 0..WINDOWS {
-            abs[w][lane] = a[w];
-            neg[w][lane] = s[w];
-        }
-    }
+    let kk: [[u8; 32]; 8] = std::array::from_fn(|l| min_k(&k[l]));
+    let (abs, neg) = recode8(&kk);
     let rrn = splat5(&RR_N);
     let kv = load(&lanes(k));
-    // k^-1 mod n runs interleaved with the point additions (independent chains).
     let q = base_mul(&abs, &neg);
     let (kinv, zi) = batch_invert(&fn_mul(&kv, &rrn), &q.z); // k^-1 R mod n, Z^-1 R mod p
     let zi2 = fp_sqr(&zi);

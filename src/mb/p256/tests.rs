@@ -444,6 +444,44 @@ fn recode_reconstructs_scalar() {
     }
 }
 
+/// The 8-lane vector recoding against the scalar one, lane by lane, different scalars per lane.
+#[test]
+fn recode8_matches_recode() {
+    if !ifma() {
+        return;
+    }
+    let mut rng = ChaCha20Rng::seed_from_u64(14);
+    for case in 0..1000 {
+        let ks: [[u8; 32]; 8] = std::array::from_fn(|lane| {
+            let mut k: [u8; 32] = rng.gen();
+            k[0] &= 0x7f;
+            match (case, lane) {
+                (0, 0) => k = [0; 32],
+                (0, 1) => {
+                    k = [0xff; 32];
+                    k[0] = 0x7f;
+                }
+                _ => {}
+            }
+            k
+        });
+        // SAFETY: IFMA detected above.
+        let (abs, neg) = unsafe { recode8(&ks) };
+        for (lane, k) in ks.iter().enumerate() {
+            let (a, s) = recode(k);
+            for w in 0..WINDOWS {
+                // SAFETY: IFMA detected above.
+                assert_eq!(
+                    unsafe { abs[w].to_array() }[lane],
+                    a[w],
+                    "case {case} lane {lane} w {w}"
+                );
+                assert_eq!((neg[w] >> lane) as u64 & 1, s[w], "case {case} lane {lane} w {w}");
+            }
+        }
+    }
+}
+
 #[test]
 fn base_mul_matches_ecpoint() {
     if !ifma() {
@@ -469,21 +507,11 @@ fn base_mul_matches_ecpoint() {
             };
             *k = v.to_vec_padded(32).unwrap().try_into().unwrap();
         }
-        let mut abs = [[0u64; 8]; WINDOWS];
-        let mut neg = [[0u64; 8]; WINDOWS];
-        let mut kks = Vec::new();
-        for lane in 0..8 {
-            let kk = min_k(&ks[lane]);
-            assert!(kk[0] < 0x80);
-            kks.push(kk);
-            let (a, s) = recode(&kk);
-            for w in 0..WINDOWS {
-                abs[w][lane] = a[w];
-                neg[w][lane] = s[w];
-            }
-        }
+        let kks: [[u8; 32]; 8] = std::array::from_fn(|lane| min_k(&ks[lane]));
+        assert!(kks.iter().all(|kk| kk[0] < 0x80));
         // SAFETY: IFMA detected above.
         let (x, y, z) = unsafe {
+            let (abs, neg) = recode8(&kks);
             let q = base_mul(&abs, &neg);
             (store(&q.x), store(&q.y), store(&q.z))
         };
@@ -578,8 +606,7 @@ fn perf_probe() {
     let mut j = Jac52x8 { x, y, z: x };
     let r = best_ns(20, || j = unsafe { point_add_mixed(&j, &x, &y) });
     println!("point_add_mixed   {r:8.1} ns");
-    let abs = [[5u64; 8]; WINDOWS];
-    let neg = [[1u64; 8]; WINDOWS];
+    let (abs, neg) = unsafe { recode8(&[[0x35u8; 32]; 8]) };
     let r = best_ns(1, || j = unsafe { base_mul(&abs, &neg) });
     println!("base_mul          {r:8.1} ns");
     let d = [[7u8; 32]; 8];
