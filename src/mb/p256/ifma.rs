@@ -237,14 +237,14 @@ pub(crate) fn add_raw(a: &L52x8, b: &L52x8) -> L52x8 {
 // Field mod p (Montgomery, R = 2^260)
 
 /// Montgomery product a*b/2^260 mod p. Inputs < 2^258, output < 2^257.
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_mul(a: &L52x8, b: &L52x8) -> L52x8 {
     reduce_p(mul_wide(a, b))
 }
 
 /// Montgomery square. Input < 2^258, output < 2^257.
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_sqr(a: &L52x8) -> L52x8 {
     reduce_p(sqr_wide(a))
@@ -344,7 +344,7 @@ fn dual_mod() -> DualMod {
 }
 
 /// Montgomery product with a per-lane modulus (generic reduction step; valid for p with k0 = 1).
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 fn dual_mul(a: &L52x8, b: &L52x8, dm: &DualMod) -> L52x8 {
     let mut t = mul_wide(a, b);
@@ -359,7 +359,7 @@ fn dual_mul(a: &L52x8, b: &L52x8, dm: &DualMod) -> L52x8 {
 }
 
 /// Montgomery square with a per-lane modulus.
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 fn dual_sqr(a: &L52x8, dm: &DualMod) -> L52x8 {
     let mut t = sqr_wide(a);
