@@ -235,7 +235,7 @@ fn sign_chunk_ifma(
                 (Some(_), _) if attempt == 0 => k[i] = first[i],
                 (Some(g), _) => k[i] = g.next_k(),
                 (None, Nonces::Injected(v)) => match v[i].get(attempt) {
-                    Some(c) if *c != [0u8; 32] && nonce::lt_be(c, &nonce::N_BE) => k[i] = *c,
+                    Some(c) if nonce::valid(c) => k[i] = *c,
                     Some(_) => {
                         out[i] = Some(Err(MbError::InvalidInput("nonce not in [1, n)".into())))
                     }

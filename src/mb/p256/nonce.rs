@@ -58,7 +58,7 @@ fn k0() -> &'static Hmac {
 }
 
 /// A candidate is used when 0 < t < n (RFC 6979 section 3.2 step h.3).
-fn valid(t: &[u8; 32]) -> bool {
+pub(crate) fn valid(t: &[u8; 32]) -> bool {
     let w = words(t);
     (w[0] | w[1] | w[2] | w[3]) != 0 && lt_be(t, &N_BE)
 }

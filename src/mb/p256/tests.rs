@@ -681,3 +681,72 @@ fn perf_nonce_loop() {
         std::hint::black_box(super::nonce::Rfc6979::new_lanes(&xs, &xs, Some(&xs)));
     }
 }
+
+/// dudect-style timing report for the kernel alone (reports, never asserts): `sign8` with a
+/// fixed nonce and key in every lane (k = 1, the most "special" scalar) against random ones,
+/// Welch's t on the timings after cropping the slow tail as dudect does.
+/// Run: `taskset -c 1 cargo test --release --lib -- --ignored --nocapture dudect_kernel`.
+#[test]
+#[ignore]
+fn dudect_kernel() {
+    if !ifma() {
+        return;
+    }
+    let mut rng = ChaCha20Rng::seed_from_u64(24);
+    let n = ctx().n;
+    let mut one = [0u8; 32];
+    one[31] = 1;
+    let fixed_d = [[0x42u8; 32]; 8];
+    let e = [[0x17u8; 32]; 8];
+    // DUDECT_FIXED_K=random uses a fixed but random-looking nonce instead of k = 1.
+    if std::env::var("DUDECT_FIXED_K").as_deref() == Ok("random") {
+        one = rand_scalar(&mut rng, &n).to_vec_padded(32).unwrap().try_into().unwrap();
+    }
+    // All inputs are generated before any measurement, so that both classes see the same
+    // activity (and cache state) between measurements.
+    type Input = (usize, [[u8; 32]; 8], [[u8; 32]; 8]);
+    let inputs: Vec<Input> = (0..40_000)
+        .map(|_| {
+            let class = rng.gen_range(0..2usize);
+            if class == 0 {
+                (class, fixed_d, [one; 8])
+            } else {
+                let mut r = || -> [u8; 32] {
+                    rand_scalar(&mut rng, &n).to_vec_padded(32).unwrap().try_into().unwrap()
+                };
+                (class, std::array::from_fn(|_| r()), std::array::from_fn(|_| r()))
+            }
+        })
+        .collect();
+    let mut obs: Vec<(usize, f64)> = Vec::with_capacity(inputs.len());
+    for (i, (class, d, k)) in inputs.iter().enumerate() {
+        let t0 = std::time::Instant::now();
+        // SAFETY: IFMA detected above.
+        std::hint::black_box(unsafe { sign8(d, &e, k) });
+        let dt = t0.elapsed().as_nanos() as f64;
+        if i >= 2000 {
+            obs.push((*class, dt));
+        }
+    }
+    let mut sorted: Vec<f64> = obs.iter().map(|o| o.1).collect();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    for pct in [10usize, 50, 90, 100] {
+        let cut = sorted[(sorted.len() * pct / 100).min(sorted.len() - 1)];
+        let mut st = [(0f64, 0f64, 0f64); 2];
+        for &(c, dt) in obs.iter().filter(|o| o.1 <= cut) {
+            st[c].0 += dt;
+            st[c].1 += dt * dt;
+            st[c].2 += 1.0;
+        }
+        let mv = |s: &(f64, f64, f64)| {
+            let m = s.0 / s.2;
+            (m, (s.1 / s.2 - m * m).max(0.0), s.2)
+        };
+        let (m0, v0, n0) = mv(&st[0]);
+        let (m1, v1, n1) = mv(&st[1]);
+        let t = (m0 - m1) / (v0 / n0 + v1 / n1).sqrt();
+        println!(
+            "kernel dudect (<= p{pct}): fixed {m0:.0} ns (n={n0}), random {m1:.0} ns (n={n1}), t = {t:.2}"
+        );
+    }
+}
