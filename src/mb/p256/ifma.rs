@@ -639,16 +639,24 @@ pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
     (abs, neg)
 }
 
-/// [`recode`] for eight lanes at once: digit vectors (|d| per lane) and sign masks per window.
-/// Bit positions and shift counts are public; the data flows only through vector arithmetic.
+/// kk = k where k < 2^255, else n - k, per lane, by a masked blend (k in [1, n), limbs
+/// normalised). kk*G = ±k*G has the same x coordinate. (A scalar version of this selection was
+/// compiled into a branch on k's top bit; in vector registers it stays a blend.)
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn recode8(k: &[[u8; 32]; 8]) -> ([U64x8; WINDOWS], [Mask8; WINDOWS]) {
-    let words: [U64x8; 4] = std::array::from_fn(|j| {
-        U64x8::from_array(std::array::from_fn(|l| {
-            u64::from_be_bytes(k[l][24 - 8 * j..32 - 8 * j].try_into().unwrap())
-        }))
-    });
+pub(crate) fn half_scalar(k: &L52x8) -> L52x8 {
+    let n = splat5(&N);
+    let nk = carry_signed(std::array::from_fn(|l| n.0[l].sub(k.0[l])));
+    let top = k.0[4].shr::<47>().eq_mask(U64x8::splat(1)); // bit 255 = limb 4, bit 47
+    select(k, top, &nk)
+}
+
+/// Signed W-bit recoding of eight scalars below 2^255 held as limb vectors: |d| per lane and
+/// the sign masks, per window. Bit positions and shift counts are public; the data flows only
+/// through vector arithmetic (no branch, no table index).
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn recode8(kk: &L52x8) -> ([U64x8; WINDOWS], [Mask8; WINDOWS]) {
     let chunk_mask = U64x8::splat((1 << W) - 1);
     let bias = U64x8::splat((1 << (W - 1)) - 1);
     let zero = U64x8::zero();
@@ -657,10 +665,10 @@ pub(crate) fn recode8(k: &[[u8; 32]; 8]) -> ([U64x8; WINDOWS], [Mask8; WINDOWS])
     let mut neg: [Mask8; WINDOWS] = [0; WINDOWS];
     for i in 0..WINDOWS {
         let bit = W * i;
-        let (w, off) = (bit / 64, (bit % 64) as u32);
-        let mut chunk = words[w].shr_by(off);
-        if w + 1 < 4 && off as usize + W > 64 {
-            chunk = chunk.or(words[w + 1].shl_by(64 - off));
+        let (limb, off) = (bit / 52, (bit % 52) as u32);
+        let mut chunk = kk.0[limb].shr_by(off);
+        if limb + 1 < 5 && off as usize + W > 52 {
+            chunk = chunk.or(kk.0[limb + 1].shl_by(52 - off));
         }
         let v = chunk.and(chunk_mask).add(carry);
         let c = v.add(bias).shr::<{ W as u32 }>(); // 1 iff v > 2^(W-1)
@@ -746,13 +754,12 @@ pub(crate) fn sign8(
     e: &[[u8; 32]; 8],
     k: &[[u8; 32]; 8],
 ) -> ([[u8; 32]; 8], [[u8; 32]; 8]) {
-    // kk = k if k < 2^255 else n - k: kk*G = ±k*G has the same x, and kk fits the windows.
     let lanes =
         |b: &[[u8; 32]; 8]| -> [[u64; 5]; 8] { std::array::from_fn(|i| bytes_to_limbs(&b[i])) };
-    let kk: [[u8; 32]; 8] = std::array::from_fn(|l| min_k(&k[l]));
-    let (abs, neg) = recode8(&kk);
-    let rrn = splat5(&RR_N);
     let kv = load(&lanes(k));
+    // kk = k if k < 2^255 else n - k: kk*G = ±k*G has the same x, and kk fits the windows.
+    let (abs, neg) = recode8(&half_scalar(&kv));
+    let rrn = splat5(&RR_N);
     let q = base_mul(&abs, &neg);
     let (kinv, zi) = batch_invert(&fn_mul(&kv, &rrn), &q.z); // k^-1 R mod n, Z^-1 R mod p
     let zi2 = fp_sqr(&zi);
@@ -775,10 +782,13 @@ pub(crate) fn sign8(
 }
 
 /// n as four little-endian 64-bit words.
+#[cfg(test)]
 const N_WORDS: [u64; 4] =
     [0xf3b9cac2fc632551, 0xbce6faada7179e84, 0xffffffffffffffff, 0xffffffff00000000];
 
-/// `k` if its bit 255 is clear, else `n - k`; branch-free (k < n).
+/// Scalar reference for [`half_scalar`] (tests only: the compiler turns this selection into a
+/// branch on k's top bit, which is why the kernel does it in vector registers).
+#[cfg(test)]
 pub(crate) fn min_k(k: &[u8; 32]) -> [u8; 32] {
     let w: [u64; 4] =
         std::array::from_fn(|i| u64::from_be_bytes(k[24 - 8 * i..32 - 8 * i].try_into().unwrap()));

@@ -466,7 +466,8 @@ fn recode8_matches_recode() {
             k
         });
         // SAFETY: IFMA detected above.
-        let (abs, neg) = unsafe { recode8(&ks) };
+        let (abs, neg) =
+            unsafe { recode8(&load(&std::array::from_fn(|l| bytes_to_limbs(&ks[l])))) };
         for (lane, k) in ks.iter().enumerate() {
             let (a, s) = recode(k);
             for w in 0..WINDOWS {
@@ -511,7 +512,10 @@ fn base_mul_matches_ecpoint() {
         assert!(kks.iter().all(|kk| kk[0] < 0x80));
         // SAFETY: IFMA detected above.
         let (x, y, z) = unsafe {
-            let (abs, neg) = recode8(&kks);
+            let kv = load(&std::array::from_fn(|l| bytes_to_limbs(&ks[l])));
+            let hv = half_scalar(&kv);
+            assert_eq!(store(&hv), std::array::from_fn(|l| bytes_to_limbs(&kks[l])));
+            let (abs, neg) = recode8(&hv);
             let q = base_mul(&abs, &neg);
             (store(&q.x), store(&q.y), store(&q.z))
         };
@@ -606,7 +610,7 @@ fn perf_probe() {
     let mut j = Jac52x8 { x, y, z: x };
     let r = best_ns(20, || j = unsafe { point_add_mixed(&j, &x, &y) });
     println!("point_add_mixed   {r:8.1} ns");
-    let (abs, neg) = unsafe { recode8(&[[0x35u8; 32]; 8]) };
+    let (abs, neg) = unsafe { recode8(&load(&[bytes_to_limbs(&[0x35u8; 32]); 8])) };
     let r = best_ns(1, || j = unsafe { base_mul(&abs, &neg) });
     println!("base_mul          {r:8.1} ns");
     let d = [[7u8; 32]; 8];
