@@ -644,6 +644,17 @@ fn perf_probe() {
         bb(boring::sha::sha256(&big));
     });
     println!("sha256 per block  {:8.1} ns", r / 1024.0);
+    let msg = [0x20u8; 130];
+    let r = best_ns(100, || {
+        bb(boring::sha::sha256(&msg));
+    });
+    println!("sha256 130 bytes  {r:8.1} ns");
+    let mut rb = [0u8; 256];
+    let r = best_ns(100, || {
+        boring::rand::rand_bytes(&mut rb).unwrap();
+        bb(rb);
+    });
+    println!("rand_bytes 256    {r:8.1} ns");
     let mut st = super::sha::IV;
     let r = best_ns(1, || {
         super::sha::compress(&mut st, &big);
