@@ -28,12 +28,17 @@ impl std::fmt::Debug for EcdsaKey {
     }
 }
 
+/// Overwrites secret bytes in a way the optimiser keeps.
+fn wipe(bytes: &mut [u8]) {
+    for b in bytes.iter_mut() {
+        // SAFETY: `b` is a valid, aligned, exclusive reference; volatile keeps the wipe.
+        unsafe { std::ptr::write_volatile(b, 0) };
+    }
+}
+
 impl Drop for EcdsaKey {
     fn drop(&mut self) {
-        for b in self.d.iter_mut() {
-            // SAFETY: `b` is a valid, aligned, exclusive reference; volatile keeps the wipe.
-            unsafe { std::ptr::write_volatile(b, 0) };
-        }
+        wipe(&mut self.d);
     }
 }
 
@@ -69,13 +74,16 @@ impl EcdsaKey {
             return Err(MbError::InvalidKey("curve is not P-256".to_string()));
         }
         key.check_key().map_err(|e| MbError::InvalidKey(format!("key check failed: {e}")))?;
-        let v = key.private_key().to_vec();
+        let mut v = key.private_key().to_vec();
         if v.is_empty() || v.len() > 32 {
+            wipe(&mut v);
             return Err(MbError::InvalidKey("private scalar out of range".to_string()));
         }
         let mut d = [0u8; 32];
         d[32 - v.len()..].copy_from_slice(&v);
+        wipe(&mut v);
         if !nonce::lt_be(&d, &nonce::N_BE) || d == [0u8; 32] {
+            wipe(&mut d);
             return Err(MbError::InvalidKey("private scalar out of range".to_string()));
         }
         let key = EcKey::from_private_components(key.group(), key.private_key(), key.public_key())?;
