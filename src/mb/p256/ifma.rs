@@ -18,6 +18,8 @@ pub(crate) struct L52x8(pub(crate) [U64x8; 5]);
 pub(crate) const P: [u64; 5] = [0xfffffffffffff, 0xfffffffffff, 0x0, 0x1000000000, 0xffffffff0000];
 /// 4p, used to keep subtraction non-negative.
 const P4: [u64; 5] = [0xffffffffffffc, 0x3fffffffffff, 0x0, 0x4000000000, 0x3fffffffc0000];
+/// 8p, for a - b - 2c.
+const P8: [u64; 5] = [0xffffffffffff8, 0x7fffffffffff, 0x0, 0x8000000000, 0x7fffffff80000];
 /// 2^260 mod p: Montgomery one.
 pub(crate) const ONE_P: [u64; 5] =
     [0x10, 0xf000000000000, 0xfffffffffffff, 0xffeffffffffff, 0xfffff];
@@ -73,11 +75,12 @@ fn carry_signed(t: [U64x8; 5]) -> L52x8 {
 /// Folds bits 256 and up back with 2^256 ≡ 2^224 - 2^192 - 2^96 + 1 (mod p), then propagates
 /// carries once.
 ///
-/// Input: limb-wise sums/differences of loose values — limbs 0..3 in (-2^52, 2^53), limb 4 in
-/// [2^48, 2^51) for subtraction (a4 - b4 + 4p4) or [0, 2^50) for addition — not normalised.
-/// With h = limb4 >> 48 (0..7) the result is ≥ 0 (when h = 0 every limb is non-negative; when
-/// h ≥ 1 the folded 2^224 term outweighs the negative low limbs, > 2^223 against < 2^209) and
-/// below 2^256 + 7*2^224 + 2^210 < 2^257: loose, normalised, same class mod p.
+/// Input: limb-wise sums/differences of loose values — limbs 0..3 in (-3*2^52, 2^53), limb 4 in
+/// [2^48, 2^51) for a - b + 4p, in (2^49, 2^51 + 2^49) for a - b - 2c + 8p, or [0, 2^50) for
+/// a + b — not normalised. With h = limb4 >> 48 (0..9) the result is ≥ 0 (when h = 0 every
+/// limb is non-negative; when h ≥ 1 the folded 2^224 term, at least 2^223, outweighs the
+/// negative low limbs, below 2^210) and below 2^256 + 9*2^224 + 2^211 < 2^257: loose,
+/// normalised, same class mod p.
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 fn fold_p(t: [U64x8; 5]) -> L52x8 {
@@ -251,6 +254,7 @@ pub(crate) fn fp_sqr(a: &L52x8) -> L52x8 {
 }
 
 /// a + b mod p (loose). Inputs < 2^257, output < 2^257.
+#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_add(a: &L52x8, b: &L52x8) -> L52x8 {
@@ -275,6 +279,14 @@ pub(crate) fn fp_sub(a: &L52x8, b: &L52x8) -> L52x8 {
         a.0[3].sub(b.0[3]).add(q.0[3]),
         a.0[4].sub(b.0[4]).add(q.0[4]),
     ])
+}
+
+/// a - b - 2c mod p (loose) with a single fold. Inputs < 2^257, output < 2^257.
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn fp_sub_sub2(a: &L52x8, b: &L52x8, c: &L52x8) -> L52x8 {
+    let q = splat5(&P8);
+    fold_p(std::array::from_fn(|l| a.0[l].sub(b.0[l]).sub(c.0[l].shl::<1>()).add(q.0[l])))
 }
 
 /// Canonical representative in [0, p). Input < 2^257 (< 3p).
@@ -517,7 +529,7 @@ pub(crate) fn point_add_mixed(p1: &Jac52x8, x2: &L52x8, y2: &L52x8) -> Jac52x8 {
     let v = fp_mul(&p1.x, &hh);
     let rr = fp_sqr(&r);
     let y1hhh = fp_mul(&p1.y, &hhh);
-    let x3 = fp_sub(&fp_sub(&rr, &hhh), &fp_add(&v, &v));
+    let x3 = fp_sub_sub2(&rr, &hhh, &v); // r^2 - h^3 - 2v
     let y3 = fp_sub(&fp_mul(&r, &fp_sub(&v, &x3)), &y1hhh);
     Jac52x8 { x: x3, y: y3, z: z3 }
 }

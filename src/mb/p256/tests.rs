@@ -214,6 +214,34 @@ fn fp_add_sub_match_bignum() {
 }
 
 #[test]
+fn fp_sub_sub2_matches_bignum() {
+    if !ifma() {
+        return;
+    }
+    let mut c = ctx();
+    let mut rng = ChaCha20Rng::seed_from_u64(15);
+    for _ in 0..3000 {
+        let a: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        let b: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        let d: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        // SAFETY: IFMA detected above.
+        let (raw, canon) = unsafe {
+            let r = fp_sub_sub2(&load(&a), &load(&b), &load(&d));
+            (store(&r), store(&fp_canon(&r)))
+        };
+        for i in 0..8 {
+            assert!(below(&raw[i], 257), "lane {i}: output not below 2^257");
+            let mut t = BigNum::new().unwrap();
+            t.mod_sub(&bn_from_limbs(&a[i]), &bn_from_limbs(&b[i]), &c.p, &mut c.ctx).unwrap();
+            let mut t2 = BigNum::new().unwrap();
+            t2.mod_sub(&t, &bn_from_limbs(&d[i]), &c.p, &mut c.ctx).unwrap();
+            t.mod_sub(&t2, &bn_from_limbs(&d[i]), &c.p, &mut c.ctx).unwrap();
+            assert_eq!(bn_from_limbs(&canon[i]), t, "lane {i}");
+        }
+    }
+}
+
+#[test]
 fn fn_mul_matches_bignum() {
     check_binary(6, 3000, 258, 257, fn_mul, |c, a, b| mont_ref(c, a, b, false), false);
 }
