@@ -365,8 +365,13 @@ fn length_mismatch_is_an_error() {
     assert!(r.iter().all(|x| matches!(x, Err(MbError::InvalidInput(_)))));
 }
 
-/// dudect-style check (reports, never asserts): batches with a fixed nonce and key in every
-/// lane versus random ones; Welch's t statistic over timings. |t| > 4.5 would suggest a leak.
+/// dudect-style check through the public entry point (reports, never asserts): batches with a
+/// fixed nonce and key in every lane versus random ones; Welch's t over the timings. At this
+/// level the timing also covers work on the public outputs: DER encoding branches on r's and
+/// s's leading bytes and the retry test compares them with zero, branches that the predictor
+/// learns perfectly when every signature is the same. Expect a small difference here (tens of
+/// ns per batch of ~22 us on the test machine); the kernel-only check `dudect_kernel` in the
+/// unit tests is the one that speaks about the secret-dependent computation.
 /// Run: `cargo test --release --test mb_p256 -- --ignored --nocapture dudect`.
 #[test]
 #[ignore]
@@ -381,48 +386,65 @@ fn dudect_fixed_vs_random_nonce() {
         k[31] = 1;
         k
     };
-    let fixed_key = key_from_scalar(&fixed_d);
+    // Both classes draw their 8 lanes from a pool of 16 key objects (the same fixed key 16
+    // times, or 16 random keys), so memory behaviour does not differ between the classes, and
+    // every input is generated before the first measurement.
+    let fixed_keys: Vec<EcdsaKey> = (0..16).map(|_| key_from_scalar(&fixed_d)).collect();
     let rand_keys: Vec<EcdsaKey> =
         (0..16).map(|_| key_from_scalar(&rand_below_n(&mut rng))).collect();
     let h = sha256(b"dudect");
     let digests = [h; 8];
-    let mut stats = [(0f64, 0f64, 0u64); 2];
-    let samples = 20_000;
-    for i in 0..samples {
-        let class = rng.gen_range(0..2usize);
-        let (keys, ks): (Vec<&EcdsaKey>, Vec<[u8; 32]>) = if class == 0 {
-            (vec![&fixed_key; 8], vec![fixed_k; 8])
-        } else {
-            (
-                (0..8).map(|_| &rand_keys[rng.gen_range(0..16)]).collect(),
-                (0..8).map(|_| rand_below_n(&mut rng)).collect(),
-            )
-        };
+    type Input = (usize, [usize; 8], [[u8; 32]; 8]);
+    let inputs: Vec<Input> = (0..20_000)
+        .map(|_| {
+            let class = rng.gen_range(0..2usize);
+            let picks = std::array::from_fn(|_| rng.gen_range(0..16));
+            let ks = if class == 0 {
+                [fixed_k; 8]
+            } else {
+                std::array::from_fn(|_| rand_below_n(&mut rng))
+            };
+            (class, picks, ks)
+        })
+        .collect();
+    let mut obs: Vec<(usize, f64)> = Vec::with_capacity(inputs.len());
+    for (i, (class, picks, ks)) in inputs.iter().enumerate() {
+        let pool = if *class == 0 { &fixed_keys } else { &rand_keys };
+        let keys: Vec<&EcdsaKey> = picks.iter().map(|&p| &pool[p]).collect();
         let inj: Vec<&[[u8; 32]]> = ks.iter().map(std::slice::from_ref).collect();
         let t0 = std::time::Instant::now();
         let out = p256::sign_digests(Backend::Ifma, &keys, &digests, &Nonces::Injected(&inj));
         let dt = t0.elapsed().as_nanos() as f64;
         std::hint::black_box(out);
-        if i < 1000 {
-            continue; // warm-up
+        if i >= 1000 {
+            obs.push((*class, dt)); // after warm-up
         }
-        let s = &mut stats[class];
-        s.0 += dt;
-        s.1 += dt * dt;
-        s.2 += 1;
     }
-    let mv = |s: &(f64, f64, u64)| {
-        let n = s.2 as f64;
-        let m = s.0 / n;
-        (m, (s.1 / n - m * m).max(0.0), n)
-    };
-    let (m0, v0, n0) = mv(&stats[0]);
-    let (m1, v1, n1) = mv(&stats[1]);
-    let t = (m0 - m1) / (v0 / n0 + v1 / n1).sqrt();
-    println!(
-        "dudect: fixed mean {m0:.0} ns (n={n0}), random mean {m1:.0} ns (n={n1}), Welch t = {t:.2} \
-         (|t| < 4.5: no evidence of a timing difference)"
-    );
+    // As dudect does, also test after cropping the slow tail (preemption on a shared machine
+    // produces outliers of milliseconds that swamp the means).
+    let mut sorted: Vec<f64> = obs.iter().map(|o| o.1).collect();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    for pct in [50usize, 90, 100] {
+        let cut = sorted[(sorted.len() * pct / 100).min(sorted.len() - 1)];
+        let mut st = [(0f64, 0f64, 0f64); 2];
+        for &(c, dt) in obs.iter().filter(|o| o.1 <= cut) {
+            st[c].0 += dt;
+            st[c].1 += dt * dt;
+            st[c].2 += 1.0;
+        }
+        let mv = |s: &(f64, f64, f64)| {
+            let m = s.0 / s.2;
+            (m, (s.1 / s.2 - m * m).max(0.0), s.2)
+        };
+        let (m0, v0, n0) = mv(&st[0]);
+        let (m1, v1, n1) = mv(&st[1]);
+        let t = (m0 - m1) / (v0 / n0 + v1 / n1).sqrt();
+        println!(
+            "dudect (samples <= p{pct}): fixed mean {m0:.0} ns (n={n0}), random mean {m1:.0} ns \
+             (n={n1}), Welch t = {t:.2}"
+        );
+    }
+    println!("|t| < 4.5: no evidence of a timing difference between the classes");
 }
 
 /// Same-run throughput comparison that tolerates a shared, noisy machine: the two backends
@@ -439,6 +461,7 @@ fn speed_ratio_report() {
     if mbtunnel::mb::cpu_features().ifma_capable() {
         backends.push(Backend::Ifma);
     }
+    let mut rows = Vec::new();
     for batch in [1usize, 2, 4, 8] {
         let mut best = [f64::MAX; 2];
         for _ in 0..60 {
@@ -455,17 +478,42 @@ fn speed_ratio_report() {
                 best[b] = best[b].min(t.elapsed().as_secs_f64() / reps as f64);
             }
         }
-        let ops = |b: usize| batch as f64 / best[b];
+        rows.push((batch, best));
+    }
+    // BoringSSL signs one at a time, so its rate does not depend on the batch size: the best
+    // rate seen in the whole run is the (conservative) baseline for every ratio.
+    let boring = rows.iter().map(|(n, b)| *n as f64 / b[0]).fold(0.0, f64::max);
+    println!("boringssl single-op: {boring:.0} sign/s (best over the run)");
+    for (batch, best) in rows {
         if backends.len() == 2 {
+            let ifma = batch as f64 / best[1];
             println!(
-                "batch {batch}: boringssl {:8.0} sign/s, ifma {:8.0} sign/s ({:6.1} us per call), ratio {:.2}",
-                ops(0),
-                ops(1),
+                "batch {batch}: ifma {ifma:8.0} sign/s ({:6.1} us per call), ratio {:.2}",
                 best[1] * 1e6,
-                ops(1) / ops(0)
+                ifma / boring
             );
-        } else {
-            println!("batch {batch}: boringssl {:8.0} sign/s (no IFMA on this CPU)", ops(0));
         }
+    }
+}
+
+#[test]
+fn keys_are_shareable_across_signer_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<EcdsaKey>();
+    let (_, key) = gen_key();
+    let key = std::sync::Arc::new(key);
+    let backend = if ifma() { Backend::Ifma } else { Backend::Scalar };
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let key = key.clone();
+            std::thread::spawn(move || {
+                let msg = format!("thread {i}");
+                let sig = p256::sign_batch_with(backend, &[&key], &[msg.as_bytes()]);
+                assert!(verifies(sig[0].as_ref().unwrap(), msg.as_bytes(), &key));
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
     }
 }

@@ -150,6 +150,21 @@ impl U64x8 {
         Self(_mm512_permutex2var_epi64(lo.0, idx.0, hi.0))
     }
 
+    /// Logical shift right of every lane by `n` bits (`n` public, same for all lanes; ≥ 64
+    /// gives 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn shr_by(self, n: u32) -> Self {
+        Self(_mm512_srl_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
+    }
+
+    /// Shift left of every lane by `n` bits (`n` public; ≥ 64 gives 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn shl_by(self, n: u32) -> Self {
+        Self(_mm512_sll_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
+    }
+
     /// Loads eight lanes from a 64-byte-aligned group of words.
     #[inline]
     #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]

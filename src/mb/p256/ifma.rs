@@ -18,6 +18,8 @@ pub(crate) struct L52x8(pub(crate) [U64x8; 5]);
 pub(crate) const P: [u64; 5] = [0xfffffffffffff, 0xfffffffffff, 0x0, 0x1000000000, 0xffffffff0000];
 /// 4p, used to keep subtraction non-negative.
 const P4: [u64; 5] = [0xffffffffffffc, 0x3fffffffffff, 0x0, 0x4000000000, 0x3fffffffc0000];
+/// 8p, for a - b - 2c.
+const P8: [u64; 5] = [0xffffffffffff8, 0x7fffffffffff, 0x0, 0x8000000000, 0x7fffffff80000];
 /// 2^260 mod p: Montgomery one.
 pub(crate) const ONE_P: [u64; 5] =
     [0x10, 0xf000000000000, 0xfffffffffffff, 0xffeffffffffff, 0xfffff];
@@ -73,11 +75,12 @@ fn carry_signed(t: [U64x8; 5]) -> L52x8 {
 /// Folds bits 256 and up back with 2^256 ≡ 2^224 - 2^192 - 2^96 + 1 (mod p), then propagates
 /// carries once.
 ///
-/// Input: limb-wise sums/differences of loose values — limbs 0..3 in (-2^52, 2^53), limb 4 in
-/// [2^48, 2^51) for subtraction (a4 - b4 + 4p4) or [0, 2^50) for addition — not normalised.
-/// With h = limb4 >> 48 (0..7) the result is ≥ 0 (when h = 0 every limb is non-negative; when
-/// h ≥ 1 the folded 2^224 term outweighs the negative low limbs, > 2^223 against < 2^209) and
-/// below 2^256 + 7*2^224 + 2^210 < 2^257: loose, normalised, same class mod p.
+/// Input: limb-wise sums/differences of loose values — limbs 0..3 in (-3*2^52, 2^53), limb 4 in
+/// [2^48, 2^51) for a - b + 4p, in (2^49, 2^51 + 2^49) for a - b - 2c + 8p, or [0, 2^50) for
+/// a + b — not normalised. With h = limb4 >> 48 (0..9) the result is ≥ 0 (when h = 0 every
+/// limb is non-negative; when h ≥ 1 the folded 2^224 term, at least 2^223, outweighs the
+/// negative low limbs, below 2^210) and below 2^256 + 9*2^224 + 2^211 < 2^257: loose,
+/// normalised, same class mod p.
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 fn fold_p(t: [U64x8; 5]) -> L52x8 {
@@ -237,20 +240,21 @@ pub(crate) fn add_raw(a: &L52x8, b: &L52x8) -> L52x8 {
 // Field mod p (Montgomery, R = 2^260)
 
 /// Montgomery product a*b/2^260 mod p. Inputs < 2^258, output < 2^257.
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_mul(a: &L52x8, b: &L52x8) -> L52x8 {
     reduce_p(mul_wide(a, b))
 }
 
 /// Montgomery square. Input < 2^258, output < 2^257.
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_sqr(a: &L52x8) -> L52x8 {
     reduce_p(sqr_wide(a))
 }
 
 /// a + b mod p (loose). Inputs < 2^257, output < 2^257.
+#[cfg(test)]
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn fp_add(a: &L52x8, b: &L52x8) -> L52x8 {
@@ -275,6 +279,14 @@ pub(crate) fn fp_sub(a: &L52x8, b: &L52x8) -> L52x8 {
         a.0[3].sub(b.0[3]).add(q.0[3]),
         a.0[4].sub(b.0[4]).add(q.0[4]),
     ])
+}
+
+/// a - b - 2c mod p (loose) with a single fold. Inputs < 2^257, output < 2^257.
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn fp_sub_sub2(a: &L52x8, b: &L52x8, c: &L52x8) -> L52x8 {
+    let q = splat5(&P8);
+    fold_p(std::array::from_fn(|l| a.0[l].sub(b.0[l]).sub(c.0[l].shl::<1>()).add(q.0[l])))
 }
 
 /// Canonical representative in [0, p). Input < 2^257 (< 3p).
@@ -344,7 +356,7 @@ fn dual_mod() -> DualMod {
 }
 
 /// Montgomery product with a per-lane modulus (generic reduction step; valid for p with k0 = 1).
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 fn dual_mul(a: &L52x8, b: &L52x8, dm: &DualMod) -> L52x8 {
     let mut t = mul_wide(a, b);
@@ -359,7 +371,7 @@ fn dual_mul(a: &L52x8, b: &L52x8, dm: &DualMod) -> L52x8 {
 }
 
 /// Montgomery square with a per-lane modulus.
-#[inline(never)]
+#[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 fn dual_sqr(a: &L52x8, dm: &DualMod) -> L52x8 {
     let mut t = sqr_wide(a);
@@ -393,8 +405,11 @@ pub(crate) fn dual_inv(a: &L52x8) -> L52x8 {
         for _ in 0..4 {
             t = dual_sqr(&t, &dm);
         }
-        let e = select(&tab[digit(&N_MINUS_2, w)], P_LANES, &tab[digit(&P_MINUS_2, w)]);
-        t = dual_mul(&t, &e, &dm);
+        let (dn, dp) = (digit(&N_MINUS_2, w), digit(&P_MINUS_2, w));
+        if dn != 0 || dp != 0 {
+            // Both digits zero (7 windows of p - 2's zero run) would multiply by one: skipped.
+            t = dual_mul(&t, &select(&tab[dn], P_LANES, &tab[dp]), &dm);
+        }
     }
     t
 }
@@ -514,7 +529,7 @@ pub(crate) fn point_add_mixed(p1: &Jac52x8, x2: &L52x8, y2: &L52x8) -> Jac52x8 {
     let v = fp_mul(&p1.x, &hh);
     let rr = fp_sqr(&r);
     let y1hhh = fp_mul(&p1.y, &hhh);
-    let x3 = fp_sub(&fp_sub(&rr, &hhh), &fp_add(&v, &v));
+    let x3 = fp_sub_sub2(&rr, &hhh, &v); // r^2 - h^3 - 2v
     let y3 = fp_sub(&fp_mul(&r, &fp_sub(&v, &x3)), &y1hhh);
     Jac52x8 { x: x3, y: y3, z: z3 }
 }
@@ -561,7 +576,7 @@ pub(crate) fn base_table() -> &'static BaseTable {
     TABLE.get_or_init(|| build_table().expect("P-256 base table"))
 }
 
-fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
+pub(crate) fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
     use boring::bn::{BigNum, BigNumContext};
     use boring::ec::{EcGroup, EcPoint};
     use boring::nid::Nid;
@@ -609,9 +624,11 @@ fn build_table() -> Result<BaseTable, boring::error::ErrorStack> {
     Ok(BaseTable(rows))
 }
 
-/// Signed W-bit recoding of a scalar below 2^255: WINDOWS digits in [-2^(W-1), 2^(W-1)] as
+/// Scalar reference for [`recode8`] (tests). Signed W-bit recoding of a scalar below 2^255:
+/// WINDOWS digits in [-2^(W-1), 2^(W-1)] as
 /// (|d|, sign) per window. Branch-free integer arithmetic; loop bounds and bit positions are
 /// public.
+#[cfg(test)]
 pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
     let words: [u64; 4] =
         std::array::from_fn(|i| u64::from_be_bytes(k[24 - 8 * i..32 - 8 * i].try_into().unwrap()));
@@ -634,6 +651,48 @@ pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
     (abs, neg)
 }
 
+/// kk = k where k < 2^255, else n - k, per lane, by a masked blend (k in [1, n), limbs
+/// normalised). kk*G = ±k*G has the same x coordinate. (A scalar version of this selection was
+/// compiled into a branch on k's top bit; in vector registers it stays a blend.)
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn half_scalar(k: &L52x8) -> L52x8 {
+    let n = splat5(&N);
+    let nk = carry_signed(std::array::from_fn(|l| n.0[l].sub(k.0[l])));
+    let top = k.0[4].shr::<47>().eq_mask(U64x8::splat(1)); // bit 255 = limb 4, bit 47
+    select(k, top, &nk)
+}
+
+/// Signed W-bit recoding of eight scalars below 2^255 held as limb vectors: |d| per lane and
+/// the sign masks, per window. Bit positions and shift counts are public; the data flows only
+/// through vector arithmetic (no branch, no table index).
+#[inline]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn recode8(kk: &L52x8) -> ([U64x8; WINDOWS], [Mask8; WINDOWS]) {
+    let chunk_mask = U64x8::splat((1 << W) - 1);
+    let bias = U64x8::splat((1 << (W - 1)) - 1);
+    let zero = U64x8::zero();
+    let mut carry = zero;
+    let mut abs = [zero; WINDOWS];
+    let mut neg: [Mask8; WINDOWS] = [0; WINDOWS];
+    for i in 0..WINDOWS {
+        let bit = W * i;
+        let (limb, off) = (bit / 52, (bit % 52) as u32);
+        let mut chunk = kk.0[limb].shr_by(off);
+        if limb + 1 < 5 && off as usize + W > 52 {
+            chunk = chunk.or(kk.0[limb + 1].shl_by(52 - off));
+        }
+        let v = chunk.and(chunk_mask).add(carry);
+        let c = v.add(bias).shr::<{ W as u32 }>(); // 1 iff v > 2^(W-1)
+        let d = v.sub(c.shl::<{ W as u32 }>());
+        carry = c;
+        let s = d.sra::<63>();
+        abs[i] = d.xor(s).sub(s);
+        neg[i] = s.eq_mask(U64x8::splat(u64::MAX));
+    }
+    (abs, neg)
+}
+
 /// k*G for eight secret scalars (each < 2^255), as Jacobian points in the Montgomery domain.
 ///
 /// Per window: read all 8 table entries with broadcast loads and keep the wanted one by
@@ -641,10 +700,7 @@ pub(crate) fn recode(k: &[u8; 32]) -> ([u64; WINDOWS], [u64; WINDOWS]) {
 /// is kept by masked blend where the digit is 0 and replaced by the table point where the
 /// accumulator is still the point at infinity. No branch or address depends on the scalar.
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn base_mul(
-    digits_abs: &[[u64; 8]; WINDOWS],
-    digits_neg: &[[u64; 8]; WINDOWS],
-) -> Jac52x8 {
+pub(crate) fn base_mul(digits_abs: &[U64x8; WINDOWS], digits_neg: &[Mask8; WINDOWS]) -> Jac52x8 {
     let table = base_table();
     let one = U64x8::splat(1);
     let p = splat5(&P);
@@ -652,8 +708,8 @@ pub(crate) fn base_mul(
     let mut acc = Jac52x8 { x: one_m, y: one_m, z: one_m };
     let mut inf: Mask8 = 0xff;
     for w in 0..WINDOWS {
-        let a = U64x8::from_array(digits_abs[w]);
-        let negm = U64x8::from_array(digits_neg[w]).eq_mask(one);
+        let a = digits_abs[w];
+        let negm = digits_neg[w];
         let zero_d = a.eq_mask(U64x8::zero());
         let z = U64x8::zero();
         // Per-lane lookup of entry |d| - 1 (|d| = 0 reads some entry; the result is discarded
@@ -710,22 +766,12 @@ pub(crate) fn sign8(
     e: &[[u8; 32]; 8],
     k: &[[u8; 32]; 8],
 ) -> ([[u8; 32]; 8], [[u8; 32]; 8]) {
-    // kk = k if k < 2^255 else n - k: kk*G = ±k*G has the same x, and kk fits 64 signed windows.
     let lanes =
         |b: &[[u8; 32]; 8]| -> [[u64; 5]; 8] { std::array::from_fn(|i| bytes_to_limbs(&b[i])) };
-    let mut abs = [[0u64; 8]; WINDOWS];
-    let mut neg = [[0u64; 8]; WINDOWS];
-    for lane in 0..8 {
-        let kk = min_k(&k[lane]);
-        let (a, s) = recode(&kk);
-        for w in 0..WINDOWS {
-            abs[w][lane] = a[w];
-            neg[w][lane] = s[w];
-        }
-    }
-    let rrn = splat5(&RR_N);
     let kv = load(&lanes(k));
-    // k^-1 mod n runs interleaved with the point additions (independent chains).
+    // kk = k if k < 2^255 else n - k: kk*G = ±k*G has the same x, and kk fits the windows.
+    let (abs, neg) = recode8(&half_scalar(&kv));
+    let rrn = splat5(&RR_N);
     let q = base_mul(&abs, &neg);
     let (kinv, zi) = batch_invert(&fn_mul(&kv, &rrn), &q.z); // k^-1 R mod n, Z^-1 R mod p
     let zi2 = fp_sqr(&zi);
@@ -748,10 +794,13 @@ pub(crate) fn sign8(
 }
 
 /// n as four little-endian 64-bit words.
+#[cfg(test)]
 const N_WORDS: [u64; 4] =
     [0xf3b9cac2fc632551, 0xbce6faada7179e84, 0xffffffffffffffff, 0xffffffff00000000];
 
-/// `k` if its bit 255 is clear, else `n - k`; branch-free (k < n).
+/// Scalar reference for [`half_scalar`] (tests only: the compiler turns this selection into a
+/// branch on k's top bit, which is why the kernel does it in vector registers).
+#[cfg(test)]
 pub(crate) fn min_k(k: &[u8; 32]) -> [u8; 32] {
     let w: [u64; 4] =
         std::array::from_fn(|i| u64::from_be_bytes(k[24 - 8 * i..32 - 8 * i].try_into().unwrap()));

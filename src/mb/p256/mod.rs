@@ -28,12 +28,17 @@ impl std::fmt::Debug for EcdsaKey {
     }
 }
 
+/// Overwrites secret bytes in a way the optimiser keeps.
+fn wipe(bytes: &mut [u8]) {
+    for b in bytes.iter_mut() {
+        // SAFETY: `b` is a valid, aligned, exclusive reference; volatile keeps the wipe.
+        unsafe { std::ptr::write_volatile(b, 0) };
+    }
+}
+
 impl Drop for EcdsaKey {
     fn drop(&mut self) {
-        for b in self.d.iter_mut() {
-            // SAFETY: `b` is a valid, aligned, exclusive reference; volatile keeps the wipe.
-            unsafe { std::ptr::write_volatile(b, 0) };
-        }
+        wipe(&mut self.d);
     }
 }
 
@@ -69,13 +74,16 @@ impl EcdsaKey {
             return Err(MbError::InvalidKey("curve is not P-256".to_string()));
         }
         key.check_key().map_err(|e| MbError::InvalidKey(format!("key check failed: {e}")))?;
-        let v = key.private_key().to_vec();
+        let mut v = key.private_key().to_vec();
         if v.is_empty() || v.len() > 32 {
+            wipe(&mut v);
             return Err(MbError::InvalidKey("private scalar out of range".to_string()));
         }
         let mut d = [0u8; 32];
         d[32 - v.len()..].copy_from_slice(&v);
+        wipe(&mut v);
         if !nonce::lt_be(&d, &nonce::N_BE) || d == [0u8; 32] {
+            wipe(&mut d);
             return Err(MbError::InvalidKey("private scalar out of range".to_string()));
         }
         let key = EcKey::from_private_components(key.group(), key.private_key(), key.public_key())?;
@@ -112,6 +120,17 @@ pub fn sign_batch_with(
 }
 
 /// SHA-256 of the message (BoringSSL's one-shot `SHA256`, no EVP context allocation).
+/// Builds the IFMA kernels' precomputed base-point table now (185 KiB, computed once per
+/// process with BoringSSL's point arithmetic, ~10–15 ms here) so that the first batch does not
+/// pay for it.
+/// Does nothing on a CPU without AVX-512 IFMA. Safe to call more than once.
+pub fn prepare() {
+    #[cfg(target_arch = "x86_64")]
+    if crate::mb::cpu_features().ifma_capable() {
+        ifma::base_table();
+    }
+}
+
 fn sha256(m: &[u8]) -> [u8; 32] {
     boring::sha::sha256(m)
 }
@@ -205,11 +224,12 @@ fn sign_chunk_ifma(
     // Nonce generators, advanced in lockstep for the first candidate of every lane.
     let (mut drbg, first): (Vec<Option<nonce::Rfc6979>>, Vec<[u8; 32]>) = match nonces {
         Nonces::Hedged | Nonces::Deterministic => {
-            let extra: Vec<[u8; 32]> =
-                (0..n).map(|i| extra[32 * i..32 * i + 32].try_into().unwrap()).collect();
-            let hedge = matches!(nonces, Nonces::Hedged).then_some(&extra[..]);
-            let (g, k) = nonce::Rfc6979::new_lanes(&d[..n], &e[..n], hedge);
-            (g.into_iter().map(Some).collect(), k)
+            // All eight lanes run (unused ones on the dummy key); only the first n are kept.
+            let extra: [[u8; 32]; LANES] =
+                std::array::from_fn(|i| extra[32 * i..32 * i + 32].try_into().unwrap());
+            let hedge = matches!(nonces, Nonces::Hedged).then_some(&extra);
+            let (g, k) = nonce::Rfc6979::new_lanes(&d, &e, hedge);
+            (g.into_iter().take(n).map(Some).collect(), k[..n].to_vec())
         }
         Nonces::Injected(_) => ((0..n).map(|_| None).collect(), Vec::new()),
     };
@@ -223,7 +243,7 @@ fn sign_chunk_ifma(
                 (Some(_), _) if attempt == 0 => k[i] = first[i],
                 (Some(g), _) => k[i] = g.next_k(),
                 (None, Nonces::Injected(v)) => match v[i].get(attempt) {
-                    Some(c) if *c != [0u8; 32] && nonce::lt_be(c, &nonce::N_BE) => k[i] = *c,
+                    Some(c) if nonce::valid(c) => k[i] = *c,
                     Some(_) => {
                         out[i] = Some(Err(MbError::InvalidInput("nonce not in [1, n)".into())))
                     }

@@ -15,42 +15,40 @@ pub(crate) const N_BE: [u8; 32] = [
     0xbc, 0xe6, 0xfa, 0xad, 0xa7, 0x17, 0x9e, 0x84, 0xf3, 0xb9, 0xca, 0xc2, 0xfc, 0x63, 0x25, 0x51,
 ];
 
-/// `a < b` for 32-byte big-endian values, without branches on the data.
-pub(crate) fn lt_be(a: &[u8; 32], b: &[u8; 32]) -> bool {
-    let mut borrow = 0u16;
-    for i in (0..32).rev() {
-        let d = (a[i] as u16).wrapping_sub(b[i] as u16).wrapping_sub(borrow);
-        borrow = (d >> 8) & 1;
-    }
-    borrow == 1
+/// Big-endian 32 bytes as four little-endian-ordered 64-bit words.
+fn words(a: &[u8; 32]) -> [u64; 4] {
+    std::array::from_fn(|i| u64::from_be_bytes(a[24 - 8 * i..32 - 8 * i].try_into().unwrap()))
 }
 
-/// `a - b` for 32-byte big-endian values (wrapping), branch-free.
-fn sub_be(a: &[u8; 32], b: &[u8; 32]) -> [u8; 32] {
-    let mut out = [0u8; 32];
-    let mut borrow = 0u16;
-    for i in (0..32).rev() {
-        let d = (a[i] as u16).wrapping_sub(b[i] as u16).wrapping_sub(borrow);
-        out[i] = d as u8;
-        borrow = (d >> 8) & 1;
+/// `a - b` on 4-word values, wrapping, with the final borrow (0 or 1); branch-free.
+fn sub_words(a: &[u64; 4], b: &[u64; 4]) -> ([u64; 4], u64) {
+    let mut out = [0u64; 4];
+    let mut borrow = 0u64;
+    for i in 0..4 {
+        let (d, b1) = a[i].overflowing_sub(b[i]);
+        let (d, b2) = d.overflowing_sub(borrow);
+        out[i] = d;
+        borrow = (b1 | b2) as u64;
     }
-    out
+    (out, borrow)
+}
+
+/// `a < b` for 32-byte big-endian values, without branches on the data.
+pub(crate) fn lt_be(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    sub_words(&words(a), &words(b)).1 == 1
 }
 
 /// bits2octets(h) for P-256/SHA-256: h as an integer, reduced once mod n (h < 2^256 < 2n).
 pub(crate) fn bits2octets(h: &[u8; 32]) -> [u8; 32] {
-    let reduced = sub_be(h, &N_BE);
-    let keep = lt_be(h, &N_BE);
-    let mask = 0u8.wrapping_sub(keep as u8);
-    std::array::from_fn(|i| (h[i] & mask) | (reduced[i] & !mask))
-}
-
-fn refs(m: &[Vec<u8>]) -> Vec<&[u8]> {
-    m.iter().map(|v| v.as_slice()).collect()
-}
-
-fn vrefs(v: &[[u8; 32]]) -> Vec<&[u8]> {
-    v.iter().map(|v| v.as_slice()).collect()
+    let hw = words(h);
+    let (reduced, borrow) = sub_words(&hw, &words(&N_BE));
+    let keep = 0u64.wrapping_sub(borrow); // all ones when h < n
+    let mut out = [0u8; 32];
+    for i in 0..4 {
+        let v = (hw[i] & keep) | (reduced[i] & !keep);
+        out[24 - 8 * i..32 - 8 * i].copy_from_slice(&v.to_be_bytes());
+    }
+    out
 }
 
 /// The initial key K = 0x00..00 is a constant: its pad states are computed once.
@@ -60,8 +58,9 @@ fn k0() -> &'static Hmac {
 }
 
 /// A candidate is used when 0 < t < n (RFC 6979 section 3.2 step h.3).
-fn valid(t: &[u8; 32]) -> bool {
-    t.iter().fold(0u8, |a, &b| a | b) != 0 && lt_be(t, &N_BE)
+pub(crate) fn valid(t: &[u8; 32]) -> bool {
+    let w = words(t);
+    (w[0] | w[1] | w[2] | w[3]) != 0 && lt_be(t, &N_BE)
 }
 
 /// RFC 6979 HMAC-DRBG state for one signature.
@@ -90,45 +89,51 @@ impl Rfc6979 {
         Rfc6979 { k, v, first: true }
     }
 
-    /// [`Rfc6979::new`] followed by the first [`Rfc6979::next_k`] for several lanes at once, in
-    /// lockstep (each HMAC step runs for every lane before the next step), which lets the
-    /// independent SHA-256 chains of different lanes overlap. All lanes hedge or none do.
+    /// [`Rfc6979::new`] followed by the first [`Rfc6979::next_k`] for eight lanes at once, in
+    /// lockstep (each HMAC step runs for every lane before the next step, eight SHA-256
+    /// compressions per instruction stream). All lanes hedge or none do.
     pub(crate) fn new_lanes(
-        x: &[[u8; 32]],
-        h: &[[u8; 32]],
-        extra: Option<&[[u8; 32]]>,
-    ) -> (Vec<Self>, Vec<[u8; 32]>) {
-        let n = x.len();
-        let h1: Vec<[u8; 32]> = h.iter().map(bits2octets).collect();
-        let seed = |v: &[[u8; 32]], sep: u8| -> Vec<Vec<u8>> {
-            (0..n)
-                .map(|i| {
-                    let mut m = Vec::with_capacity(129);
-                    m.extend_from_slice(&v[i]);
-                    m.push(sep);
-                    m.extend_from_slice(&x[i]);
-                    m.extend_from_slice(&h1[i]);
-                    if let Some(e) = extra {
-                        m.extend_from_slice(&e[i]);
-                    }
-                    m
-                })
-                .collect()
+        x: &[[u8; 32]; 8],
+        h: &[[u8; 32]; 8],
+        extra: Option<&[[u8; 32]; 8]>,
+    ) -> ([Self; 8], [[u8; 32]; 8]) {
+        let h1: [[u8; 32]; 8] = std::array::from_fn(|l| bits2octets(&h[l]));
+        let seed_len = if extra.is_some() { 129 } else { 97 };
+        // One message buffer per lane, rewritten in place for every step (mac_lanes pads it).
+        let mut buf = [[0u8; 192]; 8];
+        let seed = |buf: &mut [[u8; 192]; 8], v: &[[u8; 32]; 8], sep: u8| {
+            for (l, m) in buf.iter_mut().enumerate() {
+                m[..32].copy_from_slice(&v[l]);
+                m[32] = sep;
+                m[33..65].copy_from_slice(&x[l]);
+                m[65..97].copy_from_slice(&h1[l]);
+                if let Some(e) = extra {
+                    m[97..129].copy_from_slice(&e[l]);
+                }
+            }
         };
-        let mut v = vec![[0x01u8; 32]; n];
+        let vmsg = |buf: &mut [[u8; 192]; 8], v: &[[u8; 32]; 8]| {
+            for (m, v) in buf.iter_mut().zip(v) {
+                m[..32].copy_from_slice(v);
+            }
+        };
         let k0 = k0();
-        let m = seed(&v, 0x00);
-        let mut k = Hmac::new_lanes(&mac_lanes(&vec![k0; n], &refs(&m)));
-        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
-        let m = seed(&v, 0x01);
-        k = Hmac::new_lanes(&mac_lanes(&k.iter().collect::<Vec<_>>(), &refs(&m)));
-        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
+        let mut v = [[0x01u8; 32]; 8];
+        seed(&mut buf, &v, 0x00);
+        let mut k =
+            Hmac::new_lanes(&mac_lanes(&std::array::from_fn(|_| k0.clone()), &mut buf, seed_len));
+        vmsg(&mut buf, &v);
+        v = mac_lanes(&k, &mut buf, 32);
+        seed(&mut buf, &v, 0x01);
+        k = Hmac::new_lanes(&mac_lanes(&k, &mut buf, seed_len));
+        vmsg(&mut buf, &v);
+        v = mac_lanes(&k, &mut buf, 32);
         // Step h, first candidate for every lane.
-        v = mac_lanes(&k.iter().collect::<Vec<_>>(), &vrefs(&v));
-        let mut gens: Vec<Self> =
-            k.into_iter().zip(&v).map(|(k, v)| Rfc6979 { k, v: *v, first: false }).collect();
-        let ks =
-            gens.iter_mut().zip(&v).map(|(g, t)| if valid(t) { *t } else { g.next_k() }).collect();
+        vmsg(&mut buf, &v);
+        v = mac_lanes(&k, &mut buf, 32);
+        let mut gens: [Self; 8] =
+            std::array::from_fn(|l| Rfc6979 { k: k[l].clone(), v: v[l], first: false });
+        let ks = std::array::from_fn(|l| if valid(&v[l]) { v[l] } else { gens[l].next_k() });
         (gens, ks)
     }
 
@@ -167,10 +172,10 @@ mod tests {
 
     #[test]
     fn lockstep_matches_single_lane() {
-        let x: Vec<[u8; 32]> = (0..8u8).map(|i| [i + 1; 32]).collect();
-        let h: Vec<[u8; 32]> = (0..8u8).map(|i| [0xf0 ^ i; 32]).collect();
-        let e: Vec<[u8; 32]> = (0..8u8).map(|i| [0x33 + i; 32]).collect();
-        for extra in [None, Some(&e[..])] {
+        let x: [[u8; 32]; 8] = std::array::from_fn(|i| [i as u8 + 1; 32]);
+        let h: [[u8; 32]; 8] = std::array::from_fn(|i| [0xf0 ^ i as u8; 32]);
+        let e: [[u8; 32]; 8] = std::array::from_fn(|i| [0x33 + i as u8; 32]);
+        for extra in [None, Some(&e)] {
             let (mut gens, ks) = Rfc6979::new_lanes(&x, &h, extra);
             for i in 0..8 {
                 let mut single = Rfc6979::new(&x[i], &h[i], extra.map(|e| &e[i]));

@@ -229,22 +229,14 @@ fn compress_x8(hs: &mut [State; 8], blocks: &[&[u8]; 8]) {
     }
 }
 
-/// Compresses one block per lane for any number of lanes: eight at a time with AVX-512VL when
-/// available, otherwise one by one.
-pub(crate) fn compress_lanes(hs: &mut [State], blocks: &[&[u8]]) {
-    debug_assert_eq!(hs.len(), blocks.len());
+/// Compresses one block in each of eight lanes: at once with AVX-512VL when available,
+/// otherwise one by one.
+pub(crate) fn compress_lanes(hs: &mut [State; 8], blocks: &[&[u8]; 8]) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512vl") {
-            let dummy = [0u8; 64];
-            for (hc, bc) in hs.chunks_mut(8).zip(blocks.chunks(8)) {
-                let mut h8 = [IV; 8];
-                h8[..hc.len()].copy_from_slice(hc);
-                let b8: [&[u8]; 8] = std::array::from_fn(|l| bc.get(l).copied().unwrap_or(&dummy));
-                // SAFETY: the CPU has AVX-512F/VL (checked above; AVX2 is implied).
-                unsafe { compress_x8(&mut h8, &b8) };
-                hc.copy_from_slice(&h8[..hc.len()]);
-            }
+            // SAFETY: the CPU has AVX-512F/VL (checked above; AVX2 is implied).
+            unsafe { compress_x8(hs, blocks) };
             return;
         }
     }
@@ -283,25 +275,23 @@ impl Hmac {
         Hmac { inner, outer }
     }
 
-    /// [`Hmac::new`] for several keys, eight compressions at a time.
-    pub(crate) fn new_lanes(keys: &[[u8; 32]]) -> Vec<Hmac> {
-        let pads = |c: u8| -> Vec<[u8; 64]> {
-            keys.iter()
-                .map(|k| {
-                    let mut p = [c; 64];
-                    for i in 0..32 {
-                        p[i] ^= k[i];
-                    }
-                    p
-                })
-                .collect()
+    /// [`Hmac::new`] for eight keys at once.
+    pub(crate) fn new_lanes(keys: &[[u8; 32]; 8]) -> [Hmac; 8] {
+        let pads = |c: u8| -> [[u8; 64]; 8] {
+            std::array::from_fn(|l| {
+                let mut p = [c; 64];
+                for i in 0..32 {
+                    p[i] ^= keys[l][i];
+                }
+                p
+            })
         };
         let (ipads, opads) = (pads(0x36), pads(0x5c));
-        let mut inner = vec![IV; keys.len()];
-        let mut outer = vec![IV; keys.len()];
-        compress_lanes(&mut inner, &ipads.iter().map(|b| &b[..]).collect::<Vec<_>>());
-        compress_lanes(&mut outer, &opads.iter().map(|b| &b[..]).collect::<Vec<_>>());
-        inner.into_iter().zip(outer).map(|(inner, outer)| Hmac { inner, outer }).collect()
+        let mut inner = [IV; 8];
+        let mut outer = [IV; 8];
+        compress_lanes(&mut inner, &std::array::from_fn(|l| &ipads[l][..]));
+        compress_lanes(&mut outer, &std::array::from_fn(|l| &opads[l][..]));
+        std::array::from_fn(|l| Hmac { inner: inner[l], outer: outer[l] })
     }
 
     /// HMAC of the concatenation of `parts` (at most 183 bytes in total: three blocks).
@@ -324,38 +314,26 @@ impl Hmac {
     }
 }
 
-/// HMACs for several lanes at once; every message has the same length (at most 183 bytes).
-/// The compressions are issued lane after lane for each block, so independent dependency
-/// chains sit next to each other and the out-of-order core overlaps them (one SHA-NI chain
-/// alone is latency-bound).
-pub(crate) fn mac_lanes(keys: &[&Hmac], msgs: &[&[u8]]) -> Vec<[u8; 32]> {
-    let n = keys.len();
-    assert_eq!(msgs.len(), n);
-    let len = msgs.first().map_or(0, |m| m.len());
-    let mut bufs = vec![[0u8; 192]; n];
+/// HMACs for eight lanes at once: lane `l` authenticates `msgs[l][..len]` (len ≤ 183) under
+/// `keys[l]`. Each compression step runs for all lanes together ([`compress_lanes`]).
+pub(crate) fn mac_lanes(keys: &[Hmac; 8], msgs: &mut [[u8; 192]; 8], len: usize) -> [[u8; 32]; 8] {
     let mut total = 0;
-    for (b, m) in bufs.iter_mut().zip(msgs) {
-        assert_eq!(m.len(), len, "lanes must have equal message lengths");
-        b[..len].copy_from_slice(m);
-        total = pad(b, len, 64);
+    for m in msgs.iter_mut() {
+        total = pad(m, len, 64);
     }
-    let mut hs: Vec<State> = keys.iter().map(|k| k.inner).collect();
+    let mut hs: [State; 8] = std::array::from_fn(|l| keys[l].inner);
     for off in (0..total).step_by(64) {
-        let blocks: Vec<&[u8]> = bufs.iter().map(|b| &b[off..off + 64]).collect();
+        let blocks: [&[u8]; 8] = std::array::from_fn(|l| &msgs[l][off..off + 64]);
         compress_lanes(&mut hs, &blocks);
     }
-    let obs: Vec<[u8; 64]> = hs
-        .iter()
-        .map(|h| {
-            let mut ob = [0u8; 64];
-            ob[..32].copy_from_slice(&digest(h));
-            pad(&mut ob, 32, 64);
-            ob
-        })
-        .collect();
-    let mut os: Vec<State> = keys.iter().map(|k| k.outer).collect();
-    compress_lanes(&mut os, &obs.iter().map(|b| &b[..]).collect::<Vec<_>>());
-    os.iter().map(digest).collect()
+    let mut obs = [[0u8; 64]; 8];
+    for (ob, h) in obs.iter_mut().zip(&hs) {
+        ob[..32].copy_from_slice(&digest(h));
+        pad(ob, 32, 64);
+    }
+    let mut os: [State; 8] = std::array::from_fn(|l| keys[l].outer);
+    compress_lanes(&mut os, &std::array::from_fn(|l| &obs[l][..]));
+    std::array::from_fn(|l| digest(&os[l]))
 }
 
 /// Appends SHA-256 padding to `buf[..len]` for a message preceded by `prefix` bytes already
@@ -400,7 +378,7 @@ mod tests {
                         x[0] ^= i as u32;
                     }
                     hs[3] = *h;
-                    let mut blocks: [&[u8]; 8] = [&[7u8; 64]; 8];
+                    let mut blocks: [&[u8]; 8] = [&[7u8; 64][..]; 8];
                     blocks[3] = blk;
                     compress_lanes(&mut hs, &blocks);
                     *h = hs[3];

@@ -214,6 +214,34 @@ fn fp_add_sub_match_bignum() {
 }
 
 #[test]
+fn fp_sub_sub2_matches_bignum() {
+    if !ifma() {
+        return;
+    }
+    let mut c = ctx();
+    let mut rng = ChaCha20Rng::seed_from_u64(15);
+    for _ in 0..3000 {
+        let a: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        let b: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        let d: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 257));
+        // SAFETY: IFMA detected above.
+        let (raw, canon) = unsafe {
+            let r = fp_sub_sub2(&load(&a), &load(&b), &load(&d));
+            (store(&r), store(&fp_canon(&r)))
+        };
+        for i in 0..8 {
+            assert!(below(&raw[i], 257), "lane {i}: output not below 2^257");
+            let mut t = BigNum::new().unwrap();
+            t.mod_sub(&bn_from_limbs(&a[i]), &bn_from_limbs(&b[i]), &c.p, &mut c.ctx).unwrap();
+            let mut t2 = BigNum::new().unwrap();
+            t2.mod_sub(&t, &bn_from_limbs(&d[i]), &c.p, &mut c.ctx).unwrap();
+            t.mod_sub(&t2, &bn_from_limbs(&d[i]), &c.p, &mut c.ctx).unwrap();
+            assert_eq!(bn_from_limbs(&canon[i]), t, "lane {i}");
+        }
+    }
+}
+
+#[test]
 fn fn_mul_matches_bignum() {
     check_binary(6, 3000, 258, 257, fn_mul, |c, a, b| mont_ref(c, a, b, false), false);
 }
@@ -444,6 +472,45 @@ fn recode_reconstructs_scalar() {
     }
 }
 
+/// The 8-lane vector recoding against the scalar one, lane by lane, different scalars per lane.
+#[test]
+fn recode8_matches_recode() {
+    if !ifma() {
+        return;
+    }
+    let mut rng = ChaCha20Rng::seed_from_u64(14);
+    for case in 0..1000 {
+        let ks: [[u8; 32]; 8] = std::array::from_fn(|lane| {
+            let mut k: [u8; 32] = rng.gen();
+            k[0] &= 0x7f;
+            match (case, lane) {
+                (0, 0) => k = [0; 32],
+                (0, 1) => {
+                    k = [0xff; 32];
+                    k[0] = 0x7f;
+                }
+                _ => {}
+            }
+            k
+        });
+        // SAFETY: IFMA detected above.
+        let (abs, neg) =
+            unsafe { recode8(&load(&std::array::from_fn(|l| bytes_to_limbs(&ks[l])))) };
+        for (lane, k) in ks.iter().enumerate() {
+            let (a, s) = recode(k);
+            for w in 0..WINDOWS {
+                // SAFETY: IFMA detected above.
+                assert_eq!(
+                    unsafe { abs[w].to_array() }[lane],
+                    a[w],
+                    "case {case} lane {lane} w {w}"
+                );
+                assert_eq!((neg[w] >> lane) as u64 & 1, s[w], "case {case} lane {lane} w {w}");
+            }
+        }
+    }
+}
+
 #[test]
 fn base_mul_matches_ecpoint() {
     if !ifma() {
@@ -469,21 +536,14 @@ fn base_mul_matches_ecpoint() {
             };
             *k = v.to_vec_padded(32).unwrap().try_into().unwrap();
         }
-        let mut abs = [[0u64; 8]; WINDOWS];
-        let mut neg = [[0u64; 8]; WINDOWS];
-        let mut kks = Vec::new();
-        for lane in 0..8 {
-            let kk = min_k(&ks[lane]);
-            assert!(kk[0] < 0x80);
-            kks.push(kk);
-            let (a, s) = recode(&kk);
-            for w in 0..WINDOWS {
-                abs[w][lane] = a[w];
-                neg[w][lane] = s[w];
-            }
-        }
+        let kks: [[u8; 32]; 8] = std::array::from_fn(|lane| min_k(&ks[lane]));
+        assert!(kks.iter().all(|kk| kk[0] < 0x80));
         // SAFETY: IFMA detected above.
         let (x, y, z) = unsafe {
+            let kv = load(&std::array::from_fn(|l| bytes_to_limbs(&ks[l])));
+            let hv = half_scalar(&kv);
+            assert_eq!(store(&hv), std::array::from_fn(|l| bytes_to_limbs(&kks[l])));
+            let (abs, neg) = recode8(&hv);
             let q = base_mul(&abs, &neg);
             (store(&q.x), store(&q.y), store(&q.z))
         };
@@ -552,6 +612,9 @@ fn perf_probe() {
         return;
     }
     use std::hint::black_box as bb;
+    let t = std::time::Instant::now();
+    bb(build_table().unwrap());
+    println!("table build       {:8.1} ns", t.elapsed().as_nanos() as f64);
     let mut rng = ChaCha20Rng::seed_from_u64(99);
     let a: [[u64; 5]; 8] = std::array::from_fn(|_| rand_limbs(&mut rng, 256));
     // SAFETY (all blocks): IFMA detected above.
@@ -575,8 +638,7 @@ fn perf_probe() {
     let mut j = Jac52x8 { x, y, z: x };
     let r = best_ns(20, || j = unsafe { point_add_mixed(&j, &x, &y) });
     println!("point_add_mixed   {r:8.1} ns");
-    let abs = [[5u64; 8]; WINDOWS];
-    let neg = [[1u64; 8]; WINDOWS];
+    let (abs, neg) = unsafe { recode8(&load(&[bytes_to_limbs(&[0x35u8; 32]); 8])) };
     let r = best_ns(1, || j = unsafe { base_mul(&abs, &neg) });
     println!("base_mul          {r:8.1} ns");
     let d = [[7u8; 32]; 8];
@@ -610,6 +672,17 @@ fn perf_probe() {
         bb(boring::sha::sha256(&big));
     });
     println!("sha256 per block  {:8.1} ns", r / 1024.0);
+    let msg = [0x20u8; 130];
+    let r = best_ns(100, || {
+        bb(boring::sha::sha256(&msg));
+    });
+    println!("sha256 130 bytes  {r:8.1} ns");
+    let mut rb = [0u8; 256];
+    let r = best_ns(100, || {
+        boring::rand::rand_bytes(&mut rb).unwrap();
+        bb(rb);
+    });
+    println!("rand_bytes 256    {r:8.1} ns");
     let mut st = super::sha::IV;
     let r = best_ns(1, || {
         super::sha::compress(&mut st, &big);
@@ -649,5 +722,74 @@ fn perf_nonce_loop() {
     let xs = [[7u8; 32]; 8];
     for _ in 0..20_000 {
         std::hint::black_box(super::nonce::Rfc6979::new_lanes(&xs, &xs, Some(&xs)));
+    }
+}
+
+/// dudect-style timing report for the kernel alone (reports, never asserts): `sign8` with a
+/// fixed nonce and key in every lane (k = 1, the most "special" scalar) against random ones,
+/// Welch's t on the timings after cropping the slow tail as dudect does.
+/// Run: `taskset -c 1 cargo test --release --lib -- --ignored --nocapture dudect_kernel`.
+#[test]
+#[ignore]
+fn dudect_kernel() {
+    if !ifma() {
+        return;
+    }
+    let mut rng = ChaCha20Rng::seed_from_u64(24);
+    let n = ctx().n;
+    let mut one = [0u8; 32];
+    one[31] = 1;
+    let fixed_d = [[0x42u8; 32]; 8];
+    let e = [[0x17u8; 32]; 8];
+    // DUDECT_FIXED_K=random uses a fixed but random-looking nonce instead of k = 1.
+    if std::env::var("DUDECT_FIXED_K").as_deref() == Ok("random") {
+        one = rand_scalar(&mut rng, &n).to_vec_padded(32).unwrap().try_into().unwrap();
+    }
+    // All inputs are generated before any measurement, so that both classes see the same
+    // activity (and cache state) between measurements.
+    type Input = (usize, [[u8; 32]; 8], [[u8; 32]; 8]);
+    let inputs: Vec<Input> = (0..40_000)
+        .map(|_| {
+            let class = rng.gen_range(0..2usize);
+            if class == 0 {
+                (class, fixed_d, [one; 8])
+            } else {
+                let mut r = || -> [u8; 32] {
+                    rand_scalar(&mut rng, &n).to_vec_padded(32).unwrap().try_into().unwrap()
+                };
+                (class, std::array::from_fn(|_| r()), std::array::from_fn(|_| r()))
+            }
+        })
+        .collect();
+    let mut obs: Vec<(usize, f64)> = Vec::with_capacity(inputs.len());
+    for (i, (class, d, k)) in inputs.iter().enumerate() {
+        let t0 = std::time::Instant::now();
+        // SAFETY: IFMA detected above.
+        std::hint::black_box(unsafe { sign8(d, &e, k) });
+        let dt = t0.elapsed().as_nanos() as f64;
+        if i >= 2000 {
+            obs.push((*class, dt));
+        }
+    }
+    let mut sorted: Vec<f64> = obs.iter().map(|o| o.1).collect();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    for pct in [10usize, 50, 90, 100] {
+        let cut = sorted[(sorted.len() * pct / 100).min(sorted.len() - 1)];
+        let mut st = [(0f64, 0f64, 0f64); 2];
+        for &(c, dt) in obs.iter().filter(|o| o.1 <= cut) {
+            st[c].0 += dt;
+            st[c].1 += dt * dt;
+            st[c].2 += 1.0;
+        }
+        let mv = |s: &(f64, f64, f64)| {
+            let m = s.0 / s.2;
+            (m, (s.1 / s.2 - m * m).max(0.0), s.2)
+        };
+        let (m0, v0, n0) = mv(&st[0]);
+        let (m1, v1, n1) = mv(&st[1]);
+        let t = (m0 - m1) / (v0 / n0 + v1 / n1).sqrt();
+        println!(
+            "kernel dudect (<= p{pct}): fixed {m0:.0} ns (n={n0}), random {m1:.0} ns (n={n1}), t = {t:.2}"
+        );
     }
 }
