@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod bench;
 pub mod config;
 pub mod hbone;
 pub mod identity;

@@ -90,6 +90,7 @@ pub struct TlsProvider {
     trust_domain: String,
     metrics: Arc<Metrics>,
     cache: Mutex<HashMap<Identity, Arc<Contexts>>>,
+    inline_signing: bool,
 }
 
 impl TlsProvider {
@@ -99,7 +100,22 @@ impl TlsProvider {
         trust_domain: String,
         metrics: Arc<Metrics>,
     ) -> TlsProvider {
-        TlsProvider { store, signer, trust_domain, metrics, cache: Mutex::new(HashMap::new()) }
+        TlsProvider {
+            store,
+            signer,
+            trust_domain,
+            metrics,
+            cache: Mutex::new(HashMap::new()),
+            inline_signing: false,
+        }
+    }
+
+    /// Benchmark baseline only: sign inside BoringSSL on the handshake's own thread instead of
+    /// through the signer. Never used by the proxy.
+    #[doc(hidden)]
+    pub fn with_inline_signing(mut self) -> Self {
+        self.inline_signing = true;
+        self
     }
 
     pub fn store(&self) -> &Arc<CertStore> {
@@ -139,7 +155,11 @@ impl TlsProvider {
                 .ok_or(boring::ssl::AlpnError::ALERT_FATAL)
         });
         b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
-        b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
+        if self.inline_signing {
+            b.set_private_key(&bundle.key)?;
+        } else {
+            b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
+        }
         b.set_verify_cert_store(Self::root_store(bundle)?)?;
         let td = self.trust_domain.clone();
         b.set_verify_callback(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT, move |ok, ctx| {
@@ -172,7 +192,11 @@ impl TlsProvider {
         b.set_session_cache_mode(SslSessionCacheMode::OFF);
         b.set_alpn_protos(b"\x02h2")?;
         b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
-        b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
+        if self.inline_signing {
+            b.set_private_key(&bundle.key)?;
+        } else {
+            b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
+        }
         b.set_verify_cert_store(Self::root_store(bundle)?)?;
         Ok(b.build())
     }
