@@ -310,3 +310,28 @@ async fn renewal_keeps_live_connections_and_new_ones_use_the_new_cert() {
     let mut rest = Vec::new();
     r.read_to_end(&mut rest).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_lets_in_flight_connections_finish_and_refuses_new_ones() {
+    let m = start_mesh(18, "echo", "ecdsa-p256").await;
+    let (mut r, mut w) = client(18).await.into_split();
+    w.write_all(b"x").await.unwrap();
+    let mut b = [0u8; 1];
+    r.read_exact(&mut b).await.unwrap();
+    let inbound = m.b.bound.inbound;
+    let shutdown = tokio::spawn(m.b.shutdown());
+    // Listeners close at once...
+    assert!(
+        wait_for(|| std::net::TcpStream::connect(inbound).is_err()).await,
+        "B still accepts after drain started"
+    );
+    // ...while the connection in flight keeps flowing (GOAWAY lets open streams finish).
+    w.write_all(b"y").await.unwrap();
+    r.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"y");
+    assert!(!shutdown.is_finished(), "drain must wait for the open connection");
+    w.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).await.unwrap();
+    assert_eq!(shutdown.await.unwrap(), 0, "drained with nothing left open");
+}
