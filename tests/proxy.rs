@@ -35,12 +35,9 @@ async fn one_mebibyte_each_way_with_matching_metrics() {
     // The app saw the client's own address, not the proxy's.
     assert_eq!(m.echo_peers.lock().unwrap()[0].ip(), ip(11, 2));
     let n = (1u64 << 20) as f64;
-    assert!(
-        wait_for(
-            || metric(&m.b.metrics_text(), "istio_tcp_connections_closed_total", &[]) == Some(1.0)
-        )
-        .await
-    );
+    // Both reporters close their record when their side of the copy ends.
+    let closed = |t: String| metric(&t, "istio_tcp_connections_closed_total", &[]) == Some(1.0);
+    assert!(wait_for(|| closed(m.a.metrics_text()) && closed(m.b.metrics_text())).await);
     let (ta, tb) = (m.a.metrics_text(), m.b.metrics_text());
     for (t, reporter) in [(&ta, "source"), (&tb, "destination")] {
         let l = [
