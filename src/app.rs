@@ -18,7 +18,7 @@ use crate::identity::ca::DevCa;
 use crate::identity::store::{humantime, CertStore};
 use crate::metrics::Metrics;
 use crate::proxy::{self, socket, Ctx, Drain};
-use crate::signer::Signer;
+use crate::signer::{Signer, SignerConfig};
 use crate::state::State;
 use crate::tls::TlsProvider;
 
@@ -36,6 +36,7 @@ pub struct Bound {
 /// A running node proxy.
 pub struct Running {
     pub bound: Bound,
+    pub signer: Signer,
     pub ctx: Arc<Ctx>,
     pub store: Arc<CertStore>,
     registry: Arc<Registry>,
@@ -71,12 +72,25 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         Duration::from_secs(cfg.cert_lifetime_secs),
     ));
     let mut registry = Registry::default();
-    let metrics = Arc::new(Metrics::new(&mut registry, backend));
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    let signer = Signer::start(threads);
+    let metrics = Arc::new(Metrics::new(&mut registry));
+    let signer = Signer::start(SignerConfig {
+        threads: cfg.signer_threads,
+        max_wait: Duration::from_micros(cfg.signer_max_wait_us),
+        queue_limit: cfg.signer_queue_limit,
+        scalar_below: cfg.signer_scalar_below,
+        backend: backend.backend,
+    });
+    signer.metrics().register(&mut registry, backend);
+    tracing::info!(
+        threads = signer.config().thread_count(),
+        max_wait_us = cfg.signer_max_wait_us,
+        queue_limit = cfg.signer_queue_limit,
+        scalar_below = cfg.signer_scalar_below,
+        "signer started"
+    );
     let tls = Arc::new(TlsProvider::new(
         store.clone(),
-        signer,
+        signer.clone(),
         cfg.trust_domain.clone(),
         metrics.clone(),
     ));
@@ -194,15 +208,17 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let dump_cfg = Arc::new(cfg.clone());
     let dump_store = store.clone();
     let dump_ctx = ctx.clone();
+    let dump_signer = signer.clone();
     tasks.push(tokio::spawn(admin::serve(admin_l, drain.clone(), move |req| {
         let cfg = dump_cfg.clone();
         let store = dump_store.clone();
         let ctx = dump_ctx.clone();
+        let signer = dump_signer.clone();
         let log = log.clone();
         async move {
             match req.uri().path() {
                 "/config_dump" => {
-                    let v = config_dump(&cfg, &store, &ctx);
+                    let v = config_dump(&cfg, &store, &ctx, &signer);
                     let mut r =
                         text(StatusCode::OK, serde_json::to_string_pretty(&v).unwrap_or_default());
                     r.headers_mut().insert(
@@ -238,6 +254,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         "listening");
     Ok(Running {
         bound,
+        signer,
         ctx,
         store,
         registry,
@@ -247,7 +264,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     })
 }
 
-fn config_dump(cfg: &Config, store: &CertStore, ctx: &Ctx) -> serde_json::Value {
+fn config_dump(cfg: &Config, store: &CertStore, ctx: &Ctx, signer: &Signer) -> serde_json::Value {
     let b = crate::mb::backend_choice();
     let certs: Vec<_> = store
         .snapshot()
@@ -272,6 +289,7 @@ fn config_dump(cfg: &Config, store: &CertStore, ctx: &Ctx) -> serde_json::Value 
             "backend": b.backend.to_string(),
             "cpu_features": b.features.to_string(),
             "reason": b.reason,
+            "state": signer.dump(),
         },
         "hbone_pool_connections": ctx.pool.len(),
         "active_connections": ctx.drain.active(),

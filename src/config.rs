@@ -20,6 +20,7 @@ pub mod env {
     pub const KEY_ALGORITHM: &str = "MBTUNNEL_KEY_ALGORITHM";
     pub const SIGNER_BACKEND: &str = crate::mb::BACKEND_ENV;
     pub const LOG_FORMAT: &str = "MBTUNNEL_LOG_FORMAT";
+    pub const SIGNER_THREADS: &str = "MBTUNNEL_SIGNER_THREADS";
     pub const LOG: &str = "RUST_LOG";
 }
 
@@ -173,6 +174,14 @@ pub struct Config {
     pub log_level: String,
     /// `auto`, `ifma` or `scalar`.
     pub signer_backend: String,
+    /// Signer threads; 0 = one per CPU of the process's quota.
+    pub signer_threads: usize,
+    /// How long an idle signer thread may wait for a fuller batch, in microseconds (0 = never).
+    pub signer_max_wait_us: u64,
+    /// Requests allowed to wait in the signer; beyond it handshakes fail fast.
+    pub signer_queue_limit: usize,
+    /// Batches of at most this many requests use BoringSSL single-op (faster for so few).
+    pub signer_scalar_below: usize,
     pub nodes: Vec<Node>,
     pub workloads: Vec<Workload>,
     pub services: Vec<Service>,
@@ -200,6 +209,10 @@ impl Default for Config {
             log_format: LogFormat::Text,
             log_level: "info".into(),
             signer_backend: "auto".into(),
+            signer_threads: 0,
+            signer_max_wait_us: 0,
+            signer_queue_limit: 4096,
+            signer_scalar_below: crate::signer::DEFAULT_SCALAR_BELOW,
             nodes: Vec::new(),
             workloads: Vec::new(),
             services: Vec::new(),
@@ -242,6 +255,14 @@ impl Config {
         if let Some(v) = get(env::SIGNER_BACKEND) {
             self.signer_backend = v;
         }
+        if let Some(v) = get(env::SIGNER_THREADS) {
+            self.signer_threads = v.trim().parse().map_err(|_| {
+                ConfigError::Invalid(format!(
+                    "{}: '{v}' is not a thread count",
+                    env::SIGNER_THREADS
+                ))
+            })?;
+        }
         if let Some(v) = get(env::LOG_FORMAT) {
             self.log_format = match v.as_str() {
                 "text" => LogFormat::Text,
@@ -275,6 +296,15 @@ impl Config {
             return bad(format!(
                 "cert_lifetime_secs {} is below the minimum of 60",
                 self.cert_lifetime_secs
+            ));
+        }
+        if self.signer_queue_limit == 0 {
+            return bad("signer_queue_limit must be at least 1".into());
+        }
+        if self.signer_scalar_below > crate::mb::LANES {
+            return bad(format!(
+                "signer_scalar_below {} exceeds the batch size 8",
+                self.signer_scalar_below
             ));
         }
         let mut uids = std::collections::HashSet::new();

@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod bench;
 pub mod config;
 pub mod hbone;
 pub mod identity;
@@ -10,5 +11,6 @@ pub mod mb;
 pub mod metrics;
 pub mod proxy;
 pub mod signer;
+pub mod speed;
 pub mod state;
 pub mod tls;

@@ -31,6 +31,18 @@ enum Cmd {
     Version,
     /// Show CPU features, the signer backend that would be chosen, and why.
     Doctor,
+    /// Signatures per second: the IFMA multi-buffer backend against BoringSSL single-op, same run.
+    Speed {
+        /// Seconds of measurement per algorithm and backend.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(Bench),
     /// Test helpers used by the demo: an echo server and a client.
     #[command(hide = true, subcommand)]
     Tool(Tool),
@@ -66,6 +78,28 @@ struct RunArgs {
     /// Log filter, e.g. info or mbtunnel=debug. [env: RUST_LOG]
     #[arg(long)]
     log_level: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Bench {
+    /// Concurrent mTLS handshakes: signer on IFMA vs signer on scalar vs inline BoringSSL.
+    Handshakes {
+        /// Seconds per measured point.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Concurrency levels, comma separated.
+        #[arg(long, default_value = "1,8,64,256", value_delimiter = ',')]
+        concurrency: Vec<usize>,
+        /// Workload key algorithms, comma separated.
+        #[arg(long, default_value = "rsa-2048,ecdsa-p256", value_delimiter = ',')]
+        keys: Vec<KeyAlgorithm>,
+        /// Signer threads per side (0 = one per CPU).
+        #[arg(long, default_value_t = 0)]
+        signer_threads: usize,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -229,10 +263,33 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Doctor => {
-            let c = mbtunnel::mb::backend_choice();
-            println!("cpu features: {}", c.features);
-            println!("signer backend: {}", c.backend);
-            println!("why: {}", c.reason);
+            print!("{}", mbtunnel::speed::doctor());
+            Ok(())
+        }
+        Cmd::Speed { seconds, json } => {
+            let r =
+                mbtunnel::speed::run_speed(&mbtunnel::speed::SpeedOptions::with_seconds(seconds));
+            if json {
+                println!("{}", r.to_json());
+            } else {
+                print!("{r}");
+            }
+            Ok(())
+        }
+        Cmd::Bench(Bench::Handshakes { seconds, concurrency, keys, signer_threads, json }) => {
+            let opts = mbtunnel::bench::BenchOptions {
+                duration: std::time::Duration::from_secs_f64(seconds),
+                concurrency,
+                keys,
+                signer_threads,
+                ..Default::default()
+            };
+            let r = mbtunnel::bench::run(&opts)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print!("{r}");
+            }
             Ok(())
         }
         Cmd::Run(a) => tokio::runtime::Runtime::new()?.block_on(run(a)),

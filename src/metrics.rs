@@ -6,7 +6,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -58,7 +57,6 @@ pub struct Metrics {
     pub refused: Family<RefusalLabels, Counter>,
     pub active_connections: Gauge,
     pub hbone_pool_connections: Gauge,
-    pub signer_ops: Counter,
 }
 
 fn handshake_histogram() -> Histogram {
@@ -67,7 +65,7 @@ fn handshake_histogram() -> Histogram {
 
 impl Metrics {
     /// Creates the metrics and registers them in `registry`.
-    pub fn new(registry: &mut Registry, backend: &crate::mb::BackendChoice) -> Metrics {
+    pub fn new(registry: &mut Registry) -> Metrics {
         let m = Metrics {
             opened: Family::default(),
             closed: Family::default(),
@@ -78,7 +76,6 @@ impl Metrics {
             refused: Family::default(),
             active_connections: Gauge::default(),
             hbone_pool_connections: Gauge::default(),
-            signer_ops: Counter::default(),
         };
         let istio = registry.sub_registry_with_prefix("istio");
         istio.register("tcp_connections_opened", "Connections opened", m.opened.clone());
@@ -110,15 +107,6 @@ impl Metrics {
             "hbone_pool_connections",
             "HBONE (HTTP/2) connections in the outbound pool",
             m.hbone_pool_connections.clone(),
-        );
-        mbt.register("signer_ops", "Signatures computed by the signer", m.signer_ops.clone());
-        mbt.register(
-            "signer_backend",
-            "Signer backend and detected CPU features",
-            Info::new(vec![
-                ("backend".to_string(), backend.backend.to_string()),
-                ("cpu_features".to_string(), backend.features.to_string()),
-            ]),
         );
         m
     }

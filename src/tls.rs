@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use boring::ssl::{
-    SslAcceptor, SslConnector, SslMethod, SslOptions, SslSessionCacheMode, SslVerifyMode,
-    SslVersion,
+    SslAcceptor, SslConnector, SslContextBuilder, SslMethod, SslOptions, SslSessionCacheMode,
+    SslVerifyMode, SslVersion,
 };
 use boring::x509::store::X509StoreBuilder;
 use boring::x509::{X509StoreContextRef, X509};
@@ -76,6 +76,32 @@ fn leaf_der(ctx: &X509StoreContextRef) -> Option<Vec<u8>> {
     ctx.current_cert().and_then(|c| c.to_der().ok())
 }
 
+/// Verify callback body: the chain verdict for intermediate certificates, and for the leaf the
+/// chain verdict plus `accept` on its single SPIFFE id. Every refusal is logged with its reason.
+fn check_leaf(
+    ok: bool,
+    ctx: &mut X509StoreContextRef,
+    peer: &'static str,
+    accept: impl Fn(&Identity) -> Result<(), TlsError>,
+) -> bool {
+    if !ok {
+        let e = ctx.verify_result().err().map(|e| e.to_string()).unwrap_or_default();
+        tracing::warn!(peer, error = %e, "peer certificate chain rejected");
+        return false;
+    }
+    if ctx.error_depth() != 0 {
+        return true;
+    }
+    let r = leaf_der(ctx).ok_or(TlsError::NoPeerCert).and_then(|d| peer_identity_of(&d));
+    match r.and_then(|id| accept(&id)) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(peer, error = %e, "peer certificate rejected");
+            false
+        }
+    }
+}
+
 /// Prebuilt contexts for one certificate.
 struct Contexts {
     serial: String,
@@ -90,6 +116,7 @@ pub struct TlsProvider {
     trust_domain: String,
     metrics: Arc<Metrics>,
     cache: Mutex<HashMap<Identity, Arc<Contexts>>>,
+    inline_signing: bool,
 }
 
 impl TlsProvider {
@@ -99,7 +126,22 @@ impl TlsProvider {
         trust_domain: String,
         metrics: Arc<Metrics>,
     ) -> TlsProvider {
-        TlsProvider { store, signer, trust_domain, metrics, cache: Mutex::new(HashMap::new()) }
+        TlsProvider {
+            store,
+            signer,
+            trust_domain,
+            metrics,
+            cache: Mutex::new(HashMap::new()),
+            inline_signing: false,
+        }
+    }
+
+    /// Benchmark baseline only: sign inside BoringSSL on the handshake's own thread instead of
+    /// through the signer. Never used by the proxy.
+    #[doc(hidden)]
+    pub fn with_inline_signing(mut self) -> Self {
+        self.inline_signing = true;
+        self
     }
 
     pub fn store(&self) -> &Arc<CertStore> {
@@ -128,52 +170,50 @@ impl TlsProvider {
         Ok(b.build())
     }
 
-    fn build_acceptor(&self, bundle: &CertBundle) -> Result<SslAcceptor, TlsError> {
-        let mut b = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls())?;
+    /// Settings both sides share: TLS 1.3 only, no resumption, the certificate, its key through
+    /// the signer, and the mesh root for verifying the peer.
+    fn common(&self, b: &mut SslContextBuilder, bundle: &CertBundle) -> Result<(), TlsError> {
         b.set_min_proto_version(Some(SslVersion::TLS1_3))?;
         b.set_max_proto_version(Some(SslVersion::TLS1_3))?;
         b.set_options(SslOptions::NO_TICKET);
         b.set_session_cache_mode(SslSessionCacheMode::OFF);
+        b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
+        if self.inline_signing {
+            b.set_private_key(&bundle.key)?;
+        } else {
+            b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
+        }
+        b.set_verify_cert_store(Self::root_store(bundle)?)?;
+        Ok(())
+    }
+
+    fn build_acceptor(&self, bundle: &CertBundle) -> Result<SslAcceptor, TlsError> {
+        let mut b = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls())?;
+        self.common(&mut b, bundle)?;
         b.set_alpn_select_callback(|_, client| {
             boring::ssl::select_next_proto(b"\x02h2", client)
                 .ok_or(boring::ssl::AlpnError::ALERT_FATAL)
         });
-        b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
-        b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
-        b.set_verify_cert_store(Self::root_store(bundle)?)?;
         let td = self.trust_domain.clone();
-        b.set_verify_callback(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT, move |ok, ctx| {
-            if !ok || ctx.error_depth() != 0 {
-                if !ok {
-                    tracing::warn!(error = %ctx.verify_result().err().map(|e| e.to_string()).unwrap_or_default(), "client certificate chain rejected");
-                }
-                return ok;
-            }
-            match leaf_der(ctx).ok_or(TlsError::NoPeerCert).and_then(|d| peer_identity_of(&d)) {
-                Ok(id) if id.trust_domain == td => true,
-                Ok(id) => {
-                    tracing::warn!(peer = %id, trust_domain = %td, "client identity outside trust domain");
-                    false
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "client certificate rejected");
-                    false
-                }
-            }
-        });
+        b.set_verify_callback(
+            SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT,
+            move |ok, ctx| {
+                check_leaf(ok, ctx, "client", |id| {
+                    if id.trust_domain == td {
+                        Ok(())
+                    } else {
+                        Err(TlsError::WrongTrustDomain(id.to_string(), td.clone()))
+                    }
+                })
+            },
+        );
         Ok(b.build())
     }
 
     fn build_connector(&self, bundle: &CertBundle) -> Result<SslConnector, TlsError> {
         let mut b = SslConnector::builder(SslMethod::tls())?;
-        b.set_min_proto_version(Some(SslVersion::TLS1_3))?;
-        b.set_max_proto_version(Some(SslVersion::TLS1_3))?;
-        b.set_options(SslOptions::NO_TICKET);
-        b.set_session_cache_mode(SslSessionCacheMode::OFF);
+        self.common(&mut b, bundle)?;
         b.set_alpn_protos(b"\x02h2")?;
-        b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
-        b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
-        b.set_verify_cert_store(Self::root_store(bundle)?)?;
         Ok(b.build())
     }
 
@@ -224,25 +264,13 @@ impl TlsProvider {
             cfg.set_use_server_name_indication(false);
             let want = expected.clone();
             cfg.set_verify_callback(SslVerifyMode::PEER, move |ok, ctx| {
-                if !ok || ctx.error_depth() != 0 {
-                    if !ok {
-                        tracing::warn!(error = %ctx.verify_result().err().map(|e| e.to_string()).unwrap_or_default(), "server certificate chain rejected");
+                check_leaf(ok, ctx, "server", |id| {
+                    if *id == want {
+                        Ok(())
+                    } else {
+                        Err(TlsError::WrongIdentity { got: id.to_string(), want: want.to_string() })
                     }
-                    return ok;
-                }
-                match leaf_der(ctx).ok_or(TlsError::NoPeerCert).and_then(|d| peer_identity_of(&d))
-                {
-                    Ok(id) if id == want => true,
-                    Ok(id) => {
-                        let e = TlsError::WrongIdentity { got: id.to_string(), want: want.to_string() };
-                        tracing::warn!(error = %e, "server certificate rejected");
-                        false
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "server certificate rejected");
-                        false
-                    }
-                }
+                })
             });
             tokio_boring::connect(cfg, "", stream)
                 .await

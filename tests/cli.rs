@@ -38,6 +38,15 @@ fn config_errors_name_the_file_and_field() {
     let _ = std::fs::remove_file(f);
 }
 
+fn admin_get(path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect("127.0.21.1:15000") else { return String::new() };
+    let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
 #[test]
 fn sigterm_drains_and_exits_zero() {
     let dir = std::env::temp_dir().join(format!("mbt-cli-run-{}", std::process::id()));
@@ -49,14 +58,30 @@ fn sigterm_drains_and_exits_zero() {
         format!(
             "node_name: n\nca_dir: {}/ca\noutbound_addr: 127.0.21.1:0\ninbound_addr: 127.0.21.1:0\n\
              inbound_plaintext_addr: 127.0.21.1:0\nmetrics_addr: 127.0.21.1:0\nreadiness_addr: 127.0.21.1:0\n\
-             admin_addr: 127.0.21.1:0\nlog_format: json\n",
+             admin_addr: 127.0.21.1:15000\nlog_format: json\n",
             dir.display()
         ),
     )
     .unwrap();
     let mut child =
         bin().arg("run").arg("--config").arg(&cfg).stderr(Stdio::piped()).spawn().unwrap();
-    std::thread::sleep(Duration::from_millis(500));
+    // The admin endpoint changes the log level at run time.
+    let mut answer = String::new();
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(50));
+        answer = admin_get("/logging?level=debug");
+        if !answer.is_empty() {
+            break;
+        }
+    }
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.contains("log level set to debug"),
+        "{answer}"
+    );
+    let bad = admin_get("/logging?level=%5Bbad");
+    assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
+    let dump = admin_get("/config_dump");
+    assert!(dump.contains("\"signer\"") && dump.contains("\"queue_limit\""), "{dump}");
     Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
     let status = child.wait().unwrap();
     assert!(status.success(), "exit status {status:?}");
@@ -64,6 +89,7 @@ fn sigterm_drains_and_exits_zero() {
     use std::io::Read;
     child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
     assert!(log.contains("SIGTERM received") && log.contains("drained"), "{log}");
+    assert!(log.contains("log level changed"), "{log}");
     assert!(log.lines().any(|l| l.starts_with('{')), "json log format: {log}");
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -35,12 +35,9 @@ async fn one_mebibyte_each_way_with_matching_metrics() {
     // The app saw the client's own address, not the proxy's.
     assert_eq!(m.echo_peers.lock().unwrap()[0].ip(), ip(11, 2));
     let n = (1u64 << 20) as f64;
-    assert!(
-        wait_for(
-            || metric(&m.b.metrics_text(), "istio_tcp_connections_closed_total", &[]) == Some(1.0)
-        )
-        .await
-    );
+    // Both reporters close their record when their side of the copy ends.
+    let closed = |t: String| metric(&t, "istio_tcp_connections_closed_total", &[]) == Some(1.0);
+    assert!(wait_for(|| closed(m.a.metrics_text()) && closed(m.b.metrics_text())).await);
     let (ta, tb) = (m.a.metrics_text(), m.b.metrics_text());
     for (t, reporter) in [(&ta, "source"), (&tb, "destination")] {
         let l = [
@@ -108,11 +105,11 @@ fn tls_client(ca_dir: &std::path::Path) -> (Arc<TlsProvider>, Arc<Metrics>) {
     let ca = DevCa::load_or_create(ca_dir, "cluster.local").unwrap();
     let store = Arc::new(CertStore::new(ca, KeyAlgorithm::EcdsaP256, Duration::from_secs(3600)));
     let mut reg = Registry::default();
-    let metrics = Arc::new(Metrics::new(&mut reg, mbtunnel::mb::backend_choice()));
+    let metrics = Arc::new(Metrics::new(&mut reg));
     (
         Arc::new(TlsProvider::new(
             store,
-            Signer::start(1),
+            Signer::start(mbtunnel::signer::SignerConfig { threads: 1, ..Default::default() }),
             "cluster.local".into(),
             metrics.clone(),
         )),
@@ -309,4 +306,29 @@ async fn renewal_keeps_live_connections_and_new_ones_use_the_new_cert() {
     w.shutdown().await.unwrap();
     let mut rest = Vec::new();
     r.read_to_end(&mut rest).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_lets_in_flight_connections_finish_and_refuses_new_ones() {
+    let m = start_mesh(18, "echo", "ecdsa-p256").await;
+    let (mut r, mut w) = client(18).await.into_split();
+    w.write_all(b"x").await.unwrap();
+    let mut b = [0u8; 1];
+    r.read_exact(&mut b).await.unwrap();
+    let inbound = m.b.bound.inbound;
+    let shutdown = tokio::spawn(m.b.shutdown());
+    // Listeners close at once...
+    assert!(
+        wait_for(|| std::net::TcpStream::connect(inbound).is_err()).await,
+        "B still accepts after drain started"
+    );
+    // ...while the connection in flight keeps flowing (GOAWAY lets open streams finish).
+    w.write_all(b"y").await.unwrap();
+    r.read_exact(&mut b).await.unwrap();
+    assert_eq!(&b, b"y");
+    assert!(!shutdown.is_finished(), "drain must wait for the open connection");
+    w.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).await.unwrap();
+    assert_eq!(shutdown.await.unwrap(), 0, "drained with nothing left open");
 }

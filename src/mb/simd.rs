@@ -138,3 +138,43 @@ impl U64x8 {
 
 /// The 52-bit limb mask, splatted.
 pub const MASK52: u64 = (1u64 << 52) - 1;
+
+// --- added for p256
+impl U64x8 {
+    /// Register-only table lookup: lane `i` gets element `idx[i] mod 16` of the 16-element table
+    /// `lo ‖ hi` (`vpermi2q`). The instruction's timing does not depend on the indices, so this is
+    /// a constant-time per-lane select over 16 public values.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn lookup16(lo: Self, idx: Self, hi: Self) -> Self {
+        Self(_mm512_permutex2var_epi64(lo.0, idx.0, hi.0))
+    }
+
+    /// Logical shift right of every lane by `n` bits (`n` public, same for all lanes; ≥ 64
+    /// gives 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn shr_by(self, n: u32) -> Self {
+        Self(_mm512_srl_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
+    }
+
+    /// Shift left of every lane by `n` bits (`n` public; ≥ 64 gives 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn shl_by(self, n: u32) -> Self {
+        Self(_mm512_sll_epi64(self.0, _mm_cvtsi32_si128(n as i32)))
+    }
+
+    /// Loads eight lanes from a 64-byte-aligned group of words.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+    pub fn load_aligned(a: &Aligned8) -> Self {
+        // SAFETY: `Aligned8` is 64 readable, 64-byte-aligned bytes.
+        Self(unsafe { _mm512_load_si512(a.0.as_ptr() as *const _) })
+    }
+}
+
+/// Eight words aligned to a cache line, for [`U64x8::load_aligned`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C, align(64))]
+pub struct Aligned8(pub [u64; 8]);

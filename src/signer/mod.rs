@@ -1,13 +1,26 @@
-//! The signing service behind every TLS handshake. Handshakes never sign inline: the `boring`
-//! `AsyncPrivateKeyMethod` ([`KeyMethod`]) parks the handshake and sends the message to dedicated
-//! signer threads (never tokio workers), which answer through a oneshot channel.
+//! The shared batching signer. Every TLS handshake's signature goes through it: the `boring`
+//! `AsyncPrivateKeyMethod` ([`KeyMethod`]) parks the handshake and queues the request; dedicated
+//! signer threads (never tokio workers) take requests per key class (RSA-2048/3072/4096,
+//! ECDSA P-256) up to eight at a time and run them on the multi-buffer core.
 //!
-//! Today each request is signed on its own with BoringSSL; the batching signer over the `mb`
-//! core plugs in behind the same [`Signer`] handle.
+//! Flush policy: an idle signer thread takes what is queued *now* — batches grow only under load,
+//! and a lone handshake waits for no timer. `max_wait` (default 0) lets operators trade latency
+//! for fuller batches. Batches of at most `scalar_below` requests go to the BoringSSL single-op
+//! path, which is faster than a multi-buffer pass for so few.
+//!
+//! Backpressure: the queues are bounded; a full signer answers at once with
+//! [`SignError::QueueFull`] (the handshake fails and the client retries) instead of letting
+//! latency grow without bound. A panicking signer thread fails only its batch and is restarted.
 #![forbid(unsafe_code)]
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+pub mod keys;
+pub mod metrics;
+
+use std::collections::VecDeque;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
 
 use boring::hash::MessageDigest;
 use boring::pkey::{PKey, Private};
@@ -17,92 +30,413 @@ use boring::ssl::{
     AsyncPrivateKeyMethod, AsyncPrivateKeyMethodError, BoxPrivateKeyMethodFuture, SslRef,
     SslSignatureAlgorithm,
 };
+use serde::Serialize;
 use tokio::sync::oneshot;
+
+use crate::mb::{Backend, MbError};
+use keys::MbKey;
+pub use keys::{KeyClass, KeyEntry, KeyTable};
+pub use metrics::SignerMetrics;
+use metrics::{AlgLabels, OpLabels, ReasonLabels};
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SignError {
-    #[error("unsupported signature algorithm {0}")]
+    #[error("unsupported signature algorithm {0} for this key")]
     UnsupportedAlgorithm(String),
+    #[error("signer queue full ({0} requests waiting): handshake refused, the client may retry")]
+    QueueFull(usize),
     #[error("signer is shut down")]
     ShutDown,
+    #[error("signer thread failed while computing this request's batch")]
+    WorkerPanicked,
+    #[error("RSA fault check failed: the signature did not verify and was withheld")]
+    FaultCheck,
     #[error("signing failed: {0}")]
     Failed(String),
 }
 
-struct Job {
-    key: Arc<PKey<Private>>,
+impl From<MbError> for SignError {
+    fn from(e: MbError) -> Self {
+        match e {
+            MbError::FaultCheck => SignError::FaultCheck,
+            MbError::Unsupported(s) => SignError::UnsupportedAlgorithm(s),
+            other => SignError::Failed(other.to_string()),
+        }
+    }
+}
+
+/// Signer settings.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct SignerConfig {
+    /// Signer threads (0 = one per CPU of the quota).
+    pub threads: usize,
+    /// How long an idle thread may wait for a fuller batch (0 = take what is queued now).
+    pub max_wait: Duration,
+    /// Bound on queued requests across all classes.
+    pub queue_limit: usize,
+    /// Batches of at most this many requests use the single-op path.
+    pub scalar_below: usize,
+    /// Backend for eligible keys.
+    #[serde(serialize_with = "ser_backend")]
+    pub backend: Backend,
+}
+
+fn ser_backend<S: serde::Serializer>(b: &Backend, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(b.as_str())
+}
+
+/// Default for `scalar_below`, measured on an AVX-512 IFMA machine with `mbtunnel speed`
+/// (see the signer README section): one request alone is faster on BoringSSL single-op than
+/// in an 8-lane pass for every class; two or more are faster batched.
+pub const DEFAULT_SCALAR_BELOW: usize = 1;
+
+impl Default for SignerConfig {
+    fn default() -> Self {
+        SignerConfig {
+            threads: 0,
+            max_wait: Duration::ZERO,
+            queue_limit: 4096,
+            scalar_below: DEFAULT_SCALAR_BELOW,
+            backend: crate::mb::backend(),
+        }
+    }
+}
+
+impl SignerConfig {
+    pub fn thread_count(&self) -> usize {
+        if self.threads > 0 {
+            self.threads
+        } else {
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        }
+    }
+}
+
+struct Request {
+    key: Arc<KeyEntry>,
     msg: Vec<u8>,
     alg: SslSignatureAlgorithm,
     reply: oneshot::Sender<Result<Vec<u8>, SignError>>,
     span: tracing::Span,
+    enqueued: Instant,
 }
 
-/// Handle to the signer threads. Cheap to clone.
+struct Queues {
+    by_class: [VecDeque<Request>; 5],
+    depth: usize,
+    shutdown: bool,
+}
+
+struct Shared {
+    cfg: SignerConfig,
+    queues: Mutex<Queues>,
+    ready: Condvar,
+    metrics: SignerMetrics,
+    keys: KeyTable,
+    batches: AtomicUsize,
+    /// Test hook: the next batch panics.
+    inject_panic: AtomicBool,
+    /// Test hook: lanes of the next multi-buffer batch to corrupt before the RSA fault check.
+    inject_fault: std::sync::atomic::AtomicU8,
+    /// Test hook: while set, threads take no batch (so queues fill deterministically).
+    held: AtomicBool,
+}
+
+/// Handle to the signer. Cheap to clone; the threads stop when the last handle is dropped.
 #[derive(Clone)]
 pub struct Signer {
-    tx: Arc<Mutex<mpsc::Sender<Job>>>,
-    stats: Arc<Stats>,
+    shared: Arc<Shared>,
+    _stop: Arc<StopOnDrop>,
 }
 
-#[derive(Default)]
-pub struct Stats {
-    pub ops: AtomicU64,
-    pub errors: AtomicU64,
+struct StopOnDrop(Arc<Shared>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        let mut q = self.0.queues.lock().unwrap();
+        q.shutdown = true;
+        self.0.ready.notify_all();
+    }
 }
 
 impl Signer {
-    /// Starts `threads` signer threads.
-    pub fn start(threads: usize) -> Signer {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
-        let stats = Arc::new(Stats::default());
-        for i in 0..threads.max(1) {
-            let rx = rx.clone();
-            let stats = stats.clone();
-            std::thread::Builder::new()
-                .name(format!("mbt-signer-{i}"))
-                .spawn(move || loop {
-                    let job = match rx.lock().unwrap().recv() {
-                        Ok(j) => j,
-                        Err(_) => return,
-                    };
-                    let _g = job.span.enter();
-                    let r = sign_one(&job.key, &job.msg, job.alg);
-                    stats.ops.fetch_add(1, Ordering::Relaxed);
-                    if r.is_err() {
-                        stats.errors.fetch_add(1, Ordering::Relaxed);
-                    }
-                    let _ = job.reply.send(r);
-                })
-                .expect("spawn signer thread");
+    /// Starts the signer threads.
+    pub fn start(cfg: SignerConfig) -> Signer {
+        let n = cfg.thread_count();
+        let shared = Arc::new(Shared {
+            cfg,
+            queues: Mutex::new(Queues { by_class: Default::default(), depth: 0, shutdown: false }),
+            ready: Condvar::new(),
+            metrics: SignerMetrics::default(),
+            keys: KeyTable::default(),
+            batches: AtomicUsize::new(0),
+            inject_panic: AtomicBool::new(false),
+            inject_fault: std::sync::atomic::AtomicU8::new(0),
+            held: AtomicBool::new(false),
+        });
+        for i in 0..n {
+            spawn_worker(shared.clone(), i);
         }
-        Signer { tx: Arc::new(Mutex::new(tx)), stats }
+        Signer { _stop: Arc::new(StopOnDrop(shared.clone())), shared }
     }
 
-    pub fn stats(&self) -> &Stats {
-        &self.stats
+    pub fn config(&self) -> &SignerConfig {
+        &self.shared.cfg
     }
 
-    /// Signs `msg` with `key` for the TLS signature algorithm `alg`.
+    pub fn metrics(&self) -> &SignerMetrics {
+        &self.shared.metrics
+    }
+
+    pub fn keys(&self) -> &KeyTable {
+        &self.shared.keys
+    }
+
+    /// Batches run so far.
+    pub fn batches(&self) -> usize {
+        self.shared.batches.load(Ordering::Relaxed)
+    }
+
+    /// Live state for the config dump.
+    pub fn dump(&self) -> serde_json::Value {
+        let q = self.shared.queues.lock().unwrap();
+        let depths: serde_json::Map<String, serde_json::Value> = KeyClass::ALL
+            .iter()
+            .map(|c| (c.as_str().to_string(), q.by_class[c.index()].len().into()))
+            .collect();
+        drop(q);
+        let keys: serde_json::Map<String, serde_json::Value> = self
+            .shared
+            .keys
+            .live()
+            .into_iter()
+            .map(|(c, n)| (c.as_str().to_string(), n.into()))
+            .collect();
+        serde_json::json!({
+            "config": self.shared.cfg,
+            "threads": self.shared.cfg.thread_count(),
+            "queue_depth": depths,
+            "live_keys": keys,
+            "batches": self.batches(),
+            "fault_check_failures": crate::mb::rsa::fault_check_failures(),
+        })
+    }
+
+    /// Registers a certificate key; the entry lives as long as the contexts that hold it.
+    pub fn register(&self, key: PKey<Private>) -> Arc<KeyEntry> {
+        self.shared.keys.register(key)
+    }
+
+    /// Queues a signing request and waits for its result.
     pub async fn sign(
         &self,
-        key: Arc<PKey<Private>>,
+        key: Arc<KeyEntry>,
         msg: Vec<u8>,
         alg: SslSignatureAlgorithm,
     ) -> Result<Vec<u8>, SignError> {
         let (reply, rx) = oneshot::channel();
-        let job = Job { key, msg, alg, reply, span: tracing::Span::current() };
-        self.tx.lock().unwrap().send(job).map_err(|_| SignError::ShutDown)?;
-        rx.await.map_err(|_| SignError::ShutDown)?
+        let class = key.class;
+        let req = Request {
+            key,
+            msg,
+            alg,
+            reply,
+            span: tracing::Span::current(),
+            enqueued: Instant::now(),
+        };
+        {
+            let mut q = self.shared.queues.lock().unwrap();
+            if q.shutdown {
+                return Err(SignError::ShutDown);
+            }
+            if q.depth >= self.shared.cfg.queue_limit {
+                let depth = q.depth;
+                drop(q);
+                self.shared
+                    .metrics
+                    .rejected
+                    .get_or_create(&ReasonLabels { reason: "queue_full" })
+                    .inc();
+                tracing::warn!(depth, "signer queue full: refusing the handshake's signature");
+                return Err(SignError::QueueFull(depth));
+            }
+            q.by_class[class.index()].push_back(req);
+            q.depth += 1;
+            self.shared.metrics.queue_depth.set(q.depth as i64);
+        }
+        self.shared.ready.notify_one();
+        rx.await.map_err(|_| SignError::WorkerPanicked)?
     }
 
     /// The `AsyncPrivateKeyMethod` for a context whose certificate's key is `key`.
     pub fn key_method(&self, key: PKey<Private>) -> KeyMethod {
-        KeyMethod { key: Arc::new(key), signer: self.clone() }
+        KeyMethod { key: self.register(key), signer: self.clone() }
+    }
+
+    /// Test hook: the next batch computed panics inside the signer thread.
+    #[doc(hidden)]
+    pub fn inject_panic_next_batch(&self) {
+        self.shared.inject_panic.store(true, Ordering::SeqCst);
+    }
+
+    /// Test hook: the next multi-buffer RSA batch corrupts the lanes in `lane_mask` before its
+    /// fault check (which must then withhold those signatures).
+    #[doc(hidden)]
+    pub fn inject_fault_next_batch(&self, lane_mask: u8) {
+        self.shared.inject_fault.store(lane_mask, Ordering::SeqCst);
+    }
+
+    /// Test hook: stop (`true`) or resume (`false`) taking batches.
+    #[doc(hidden)]
+    pub fn hold(&self, held: bool) {
+        self.shared.held.store(held, Ordering::SeqCst);
+        let _q = self.shared.queues.lock().unwrap();
+        self.shared.ready.notify_all();
+    }
+
+    /// Requests waiting now.
+    pub fn queue_depth(&self) -> usize {
+        self.shared.queues.lock().unwrap().depth
     }
 }
 
-/// Signs one message with BoringSSL (the scalar path).
+fn spawn_worker(shared: Arc<Shared>, i: usize) {
+    std::thread::Builder::new()
+        .name(format!("mbt-signer-{i}"))
+        .spawn(move || {
+            let s = shared.clone();
+            // A panic unwinds out of `worker_loop`, dropping the batch's reply senders: every
+            // request of that batch gets `WorkerPanicked`. Then a fresh thread takes over.
+            let r = std::panic::catch_unwind(AssertUnwindSafe(|| worker_loop(&s)));
+            if r.is_err() {
+                shared.metrics.thread_restarts.inc();
+                tracing::error!(
+                    thread = i,
+                    "signer thread panicked; its batch failed; restarting it"
+                );
+                if !shared.queues.lock().map(|q| q.shutdown).unwrap_or(true) {
+                    spawn_worker(shared, i);
+                }
+            }
+        })
+        .expect("spawn signer thread");
+}
+
+/// Takes the next batch: from the class whose oldest request has waited longest, up to 8.
+fn next_batch(shared: &Shared) -> Option<(KeyClass, Vec<Request>)> {
+    let mut q = shared.queues.lock().unwrap();
+    loop {
+        if q.shutdown {
+            return None;
+        }
+        let oldest = KeyClass::ALL
+            .iter()
+            .filter_map(|c| q.by_class[c.index()].front().map(|r| (r.enqueued, *c)))
+            .min_by_key(|(t, _)| *t);
+        let Some((since, class)) = oldest.filter(|_| !shared.held.load(Ordering::SeqCst)) else {
+            q = shared.ready.wait(q).unwrap();
+            continue;
+        };
+        let len = q.by_class[class.index()].len();
+        let max_wait = shared.cfg.max_wait;
+        if len < crate::mb::LANES && class != KeyClass::Other && !max_wait.is_zero() {
+            let waited = since.elapsed();
+            if waited < max_wait {
+                q = shared.ready.wait_timeout(q, max_wait - waited).unwrap().0;
+                continue;
+            }
+        }
+        let take = if class == KeyClass::Other { 1 } else { len.min(crate::mb::LANES) };
+        let batch: Vec<Request> = q.by_class[class.index()].drain(..take).collect();
+        q.depth -= batch.len();
+        shared.metrics.queue_depth.set(q.depth as i64);
+        if q.depth > 0 {
+            shared.ready.notify_one();
+        }
+        return Some((class, batch));
+    }
+}
+
+fn worker_loop(shared: &Shared) {
+    while let Some((class, batch)) = next_batch(shared) {
+        let alg = AlgLabels { algorithm: class.as_str() };
+        for r in &batch {
+            shared
+                .metrics
+                .queue_wait
+                .get_or_create(&alg)
+                .observe(r.enqueued.elapsed().as_secs_f64());
+        }
+        shared.metrics.batch_size.get_or_create(&alg).observe(batch.len() as f64);
+        shared.batches.fetch_add(1, Ordering::Relaxed);
+        if shared.inject_panic.swap(false, Ordering::SeqCst) {
+            panic!("injected signer panic (test hook)");
+        }
+        let single = class == KeyClass::Other
+            || shared.cfg.backend == Backend::Scalar
+            || batch.len() <= shared.cfg.scalar_below;
+        let backend = if single { Backend::Scalar } else { Backend::Ifma };
+        let start = Instant::now();
+        let fault = shared.inject_fault.swap(0, Ordering::SeqCst);
+        if fault != 0 {
+            crate::mb::rsa::inject_fault_next_batch(fault);
+        }
+        let results = if single {
+            batch.iter().map(|r| sign_one(&r.key.pkey, &r.msg, r.alg)).collect()
+        } else {
+            sign_batch(&batch)
+        };
+        let labels = OpLabels { algorithm: class.as_str(), backend: backend.as_str() };
+        shared.metrics.batch_seconds.get_or_create(&labels).observe(start.elapsed().as_secs_f64());
+        shared.metrics.ops.get_or_create(&labels).inc_by(batch.len() as u64);
+        for (r, res) in batch.into_iter().zip(results) {
+            let _g = r.span.enter();
+            if res == Err(SignError::FaultCheck) {
+                shared.metrics.fault_check_failures.inc();
+                tracing::error!(key = r.key.id, "RSA fault check failed: signature withheld");
+            }
+            let _ = r.reply.send(res);
+        }
+    }
+}
+
+/// One multi-buffer pass over requests of one class.
+fn sign_batch(batch: &[Request]) -> Vec<Result<Vec<u8>, SignError>> {
+    let msgs: Vec<&[u8]> = batch.iter().map(|r| r.msg.as_slice()).collect();
+    let out: Vec<Result<Vec<u8>, MbError>> = match &batch[0].key.mb {
+        MbKey::Rsa(_) => {
+            let keys: Vec<_> = batch
+                .iter()
+                .map(|r| match &r.key.mb {
+                    MbKey::Rsa(k) => &**k,
+                    _ => unreachable!("queues hold one key class"),
+                })
+                .collect();
+            let algs: Vec<_> = batch.iter().map(|r| r.alg).collect();
+            crate::mb::rsa::RsaBatch::sign_tls_with(Backend::Ifma, &keys, &msgs, &algs)
+        }
+        MbKey::Ec(_) => {
+            let keys: Vec<_> = batch
+                .iter()
+                .map(|r| match &r.key.mb {
+                    MbKey::Ec(k) => k,
+                    _ => unreachable!("queues hold one key class"),
+                })
+                .collect();
+            let mut out = crate::mb::p256::sign_batch_with(Backend::Ifma, &keys, &msgs);
+            for (o, r) in out.iter_mut().zip(batch) {
+                if r.alg != SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256 {
+                    *o = Err(MbError::Unsupported(format!("{:?}", r.alg)));
+                }
+            }
+            out
+        }
+        MbKey::None => return batch.iter().map(|r| sign_one(&r.key.pkey, &r.msg, r.alg)).collect(),
+    };
+    out.into_iter().map(|r| r.map_err(SignError::from)).collect()
+}
+
+/// Signs one message with BoringSSL (the single-op path).
 pub fn sign_one(
     key: &PKey<Private>,
     msg: &[u8],
@@ -130,7 +464,7 @@ pub fn sign_one(
 
 /// `boring` async private-key method: the handshake parks until the signer answers.
 pub struct KeyMethod {
-    key: Arc<PKey<Private>>,
+    key: Arc<KeyEntry>,
     signer: Signer,
 }
 

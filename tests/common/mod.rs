@@ -37,7 +37,7 @@ pub fn config(net: u8, node: &str, ca_dir: &std::path::Path, echo_sa: &str, key:
 node_name: {node}
 ca_dir: {ca}
 key_algorithm: {key}
-drain_timeout_secs: 2
+drain_timeout_secs: 5
 outbound_addr: "{out}"
 inbound_addr: "127.0.{net}.{me}:15008"
 inbound_plaintext_addr: "127.0.{net}.{me}:15006"

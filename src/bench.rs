@@ -1,0 +1,302 @@
+//! `mbtunnel bench handshakes`: concurrent mutual-TLS handshakes between two in-process "proxies"
+//! (a client side and a server side, each with its own signer, as two nodes would have) over
+//! loopback, comparing the signer on the IFMA backend, the signer on the scalar backend, and
+//! inline BoringSSL signing with no signer — all measured in the same run.
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::config::KeyAlgorithm;
+use crate::identity::ca::DevCa;
+use crate::identity::store::CertStore;
+use crate::identity::Identity;
+use crate::mb::Backend;
+use crate::metrics::Metrics;
+use crate::signer::{Signer, SignerConfig};
+use crate::tls::TlsProvider;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// The batching signer on the multi-buffer backend.
+    SignerIfma,
+    /// The batching signer on BoringSSL single-op.
+    SignerScalar,
+    /// No signer: BoringSSL signs inline inside the handshake.
+    Inline,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::SignerIfma => "signer-ifma",
+            Mode::SignerScalar => "signer-scalar",
+            Mode::Inline => "inline",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    pub duration: Duration,
+    pub concurrency: Vec<usize>,
+    pub keys: Vec<KeyAlgorithm>,
+    pub modes: Vec<Mode>,
+    /// Signer threads per side (0 = one per CPU).
+    pub signer_threads: usize,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            duration: Duration::from_secs(2),
+            concurrency: vec![1, 8, 64, 256],
+            keys: vec![KeyAlgorithm::Rsa2048, KeyAlgorithm::EcdsaP256],
+            modes: vec![Mode::SignerIfma, Mode::SignerScalar, Mode::Inline],
+            signer_threads: 0,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchRow {
+    pub key: KeyAlgorithm,
+    pub mode: Mode,
+    pub concurrency: usize,
+    pub handshakes: usize,
+    pub failures: usize,
+    pub handshakes_per_s: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    /// Mean requests per signer batch (both sides), `None` inline.
+    pub mean_batch: Option<f64>,
+    /// Process CPU seconds (user + system) per 1000 handshakes.
+    pub cpu_s_per_1000: f64,
+    /// handshakes/s relative to inline at the same key and concurrency.
+    pub vs_inline: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub cpus: usize,
+    pub seconds_per_point: f64,
+    pub rows: Vec<BenchRow>,
+}
+
+/// Process CPU time (user + system) from `/proc/self/stat`, in seconds.
+pub fn process_cpu_seconds() -> f64 {
+    let Ok(s) = std::fs::read_to_string("/proc/self/stat") else { return 0.0 };
+    // Fields after the command name (which may contain spaces) start at ") ".
+    let rest = s.rsplit_once(") ").map(|x| x.1).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after the name.
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+struct Side {
+    tls: Arc<TlsProvider>,
+    signer: Option<Signer>,
+}
+
+fn side(
+    dir: &std::path::Path,
+    key: KeyAlgorithm,
+    mode: Mode,
+    threads: usize,
+) -> anyhow::Result<Side> {
+    let ca = DevCa::load_or_create(dir, "cluster.local")?;
+    let store = Arc::new(CertStore::new(ca, key, Duration::from_secs(3600)));
+    let backend = if mode == Mode::SignerIfma { Backend::Ifma } else { Backend::Scalar };
+    let signer = Signer::start(SignerConfig { threads, backend, ..Default::default() });
+    let mut reg = prometheus_client::registry::Registry::default();
+    let metrics = Arc::new(Metrics::new(&mut reg));
+    let mut tls = TlsProvider::new(store, signer.clone(), "cluster.local".into(), metrics);
+    if mode == Mode::Inline {
+        tls = tls.with_inline_signing();
+    }
+    Ok(Side { tls: Arc::new(tls), signer: (mode != Mode::Inline).then_some(signer) })
+}
+
+fn batch_totals(s: &Option<Signer>) -> (f64, f64) {
+    let Some(s) = s else { return (0.0, 0.0) };
+    let mut reg = prometheus_client::registry::Registry::default();
+    s.metrics().register(&mut reg, crate::mb::backend_choice());
+    let mut t = String::new();
+    let _ = prometheus_client::encoding::text::encode(&mut t, &reg);
+    let sum = |p: &str| -> f64 {
+        t.lines()
+            .filter(|l| l.starts_with(p))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    (sum("mbtunnel_signer_batch_size_sum"), sum("mbtunnel_signer_batch_size_count"))
+}
+
+/// Runs the benchmark. Blocking: builds its own runtime with two worker threads.
+pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(run_async(opts))
+}
+
+async fn run_async(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
+    let dir = std::env::temp_dir().join(format!("mbtunnel-bench-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let server_id: Identity = "spiffe://cluster.local/ns/bench/sa/server".parse()?;
+    let client_id: Identity = "spiffe://cluster.local/ns/bench/sa/client".parse()?;
+    let mut rows = Vec::new();
+    for &key in &opts.keys {
+        for &mode in &opts.modes {
+            if mode == Mode::SignerIfma && !crate::mb::cpu_features().ifma_capable() {
+                eprintln!("bench: skipping signer-ifma: CPU lacks AVX-512 IFMA");
+                continue;
+            }
+            let server = side(&dir, key, mode, opts.signer_threads)?;
+            let client = side(&dir, key, mode, opts.signer_threads)?;
+            server.tls.store().fetch(&server_id)?;
+            client.tls.store().fetch(&client_id)?;
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = listener.local_addr()?;
+            let stls = server.tls.clone();
+            let sid = server_id.clone();
+            let acceptor = tokio::spawn(async move {
+                loop {
+                    let Ok((s, _)) = listener.accept().await else { return };
+                    let _ = s.set_nodelay(true);
+                    let (tls, sid) = (stls.clone(), sid.clone());
+                    tokio::spawn(async move {
+                        if let Ok((mut s, _)) = tls.accept(s, &sid).await {
+                            let _ = s.write_all(b"k").await;
+                            let _ = s.shutdown().await;
+                        }
+                    });
+                }
+            });
+            for &conc in &opts.concurrency {
+                let (b0s, b0c) = (batch_totals(&server.signer), batch_totals(&client.signer));
+                let cpu0 = process_cpu_seconds();
+                let start = Instant::now();
+                let end = start + opts.duration;
+                let mut tasks = Vec::new();
+                for _ in 0..conc {
+                    let (tls, cid, sid) =
+                        (client.tls.clone(), client_id.clone(), server_id.clone());
+                    tasks.push(tokio::spawn(async move {
+                        let mut lat = Vec::new();
+                        let mut fails = 0usize;
+                        while Instant::now() < end {
+                            let t = Instant::now();
+                            let ok = async {
+                                let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+                                let _ = tcp.set_nodelay(true);
+                                let mut s = tls.connect(tcp, &cid, &sid).await.ok()?;
+                                let mut b = [0u8; 1];
+                                s.read_exact(&mut b).await.ok()
+                            }
+                            .await;
+                            match ok {
+                                Some(_) => lat.push(t.elapsed().as_secs_f64() * 1e3),
+                                None => fails += 1,
+                            }
+                        }
+                        (lat, fails)
+                    }));
+                }
+                let mut lat = Vec::new();
+                let mut failures = 0;
+                for t in tasks {
+                    let (l, f) = t.await?;
+                    lat.extend(l);
+                    failures += f;
+                }
+                let wall = start.elapsed().as_secs_f64();
+                let cpu = process_cpu_seconds() - cpu0;
+                lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                let pct = |p: f64| {
+                    lat.get(((lat.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
+                };
+                let (b1s, b1c) = (batch_totals(&server.signer), batch_totals(&client.signer));
+                let (sum, count) =
+                    ((b1s.0 - b0s.0) + (b1c.0 - b0c.0), (b1s.1 - b0s.1) + (b1c.1 - b0c.1));
+                let n = lat.len();
+                rows.push(BenchRow {
+                    key,
+                    mode,
+                    concurrency: conc,
+                    handshakes: n,
+                    failures,
+                    handshakes_per_s: n as f64 / wall,
+                    p50_ms: pct(0.5),
+                    p99_ms: pct(0.99),
+                    mean_batch: (count > 0.0).then(|| sum / count),
+                    cpu_s_per_1000: if n > 0 { cpu / n as f64 * 1000.0 } else { 0.0 },
+                    vs_inline: None,
+                });
+                eprintln!("bench: {key:?} {} c={conc}: {:.0} hs/s", mode.as_str(), n as f64 / wall);
+            }
+            acceptor.abort();
+        }
+    }
+    for i in 0..rows.len() {
+        let base = rows
+            .iter()
+            .find(|r| {
+                r.mode == Mode::Inline
+                    && r.key == rows[i].key
+                    && r.concurrency == rows[i].concurrency
+            })
+            .map(|r| r.handshakes_per_s);
+        rows[i].vs_inline = base.filter(|b| *b > 0.0).map(|b| rows[i].handshakes_per_s / b);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(BenchReport {
+        cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+        seconds_per_point: opts.duration.as_secs_f64(),
+        rows,
+    })
+}
+
+impl std::fmt::Display for BenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "mTLS handshakes, client and server sides in one process ({} CPUs), {:.1} s per point",
+            self.cpus, self.seconds_per_point
+        )?;
+        writeln!(
+            f,
+            "{:<10} {:<14} {:>5} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>5}",
+            "key",
+            "mode",
+            "conc",
+            "hs/s",
+            "vs inl",
+            "p50 ms",
+            "p99 ms",
+            "mean batch",
+            "cpu s/1k",
+            "fail"
+        )?;
+        for r in &self.rows {
+            writeln!(
+                f,
+                "{:<10} {:<14} {:>5} {:>9.0} {:>8} {:>8.2} {:>8.2} {:>10} {:>9.2} {:>5}",
+                format!("{:?}", r.key).to_lowercase(),
+                r.mode.as_str(),
+                r.concurrency,
+                r.handshakes_per_s,
+                r.vs_inline.map(|v| format!("{v:.2}x")).unwrap_or_else(|| "-".into()),
+                r.p50_ms,
+                r.p99_ms,
+                r.mean_batch.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into()),
+                r.cpu_s_per_1000,
+                r.failures
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,150 @@
+//! The key table: each certificate key is registered once, with its multi-buffer precomputation
+//! (Montgomery and CRT constants for RSA, the scalar for P-256) done at registration. Entries are
+//! reference-counted by the TLS contexts that use them, so a key retires by itself when the last
+//! context built on its certificate is gone. Keys never appear in `Debug` output or dumps.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use boring::pkey::{Id, PKey, Private};
+
+use crate::mb::p256::EcdsaKey;
+use crate::mb::rsa::RsaPrivateKey;
+
+/// Which queue a key's requests go to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KeyClass {
+    Rsa2048,
+    Rsa3072,
+    Rsa4096,
+    EcdsaP256,
+    /// Keys the multi-buffer core does not handle (other sizes, e ≠ 65537, other curves):
+    /// always signed one at a time with BoringSSL.
+    Other,
+}
+
+impl KeyClass {
+    pub const ALL: [KeyClass; 5] = [
+        KeyClass::Rsa2048,
+        KeyClass::Rsa3072,
+        KeyClass::Rsa4096,
+        KeyClass::EcdsaP256,
+        KeyClass::Other,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyClass::Rsa2048 => "rsa-2048",
+            KeyClass::Rsa3072 => "rsa-3072",
+            KeyClass::Rsa4096 => "rsa-4096",
+            KeyClass::EcdsaP256 => "ecdsa-p256",
+            KeyClass::Other => "other",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+pub(crate) enum MbKey {
+    Rsa(Box<RsaPrivateKey>),
+    Ec(EcdsaKey),
+    None,
+}
+
+/// A registered key.
+pub struct KeyEntry {
+    pub id: u64,
+    pub class: KeyClass,
+    /// Why the key is in its class (e.g. why it cannot use the IFMA backend).
+    pub route: String,
+    pub(crate) pkey: PKey<Private>,
+    pub(crate) mb: MbKey,
+}
+
+impl fmt::Debug for KeyEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyEntry")
+            .field("id", &self.id)
+            .field("class", &self.class)
+            .finish_non_exhaustive()
+    }
+}
+
+fn classify(pkey: &PKey<Private>) -> (KeyClass, MbKey, String) {
+    match pkey.id() {
+        Id::RSA => {
+            let Ok(rsa) = pkey.rsa() else {
+                return (KeyClass::Other, MbKey::None, "unreadable RSA key".into());
+            };
+            match RsaPrivateKey::from_boring(&rsa) {
+                Ok(k) => {
+                    let route = k.route();
+                    let class = match (route.backend, k.bits()) {
+                        (crate::mb::Backend::Ifma, 2048) => KeyClass::Rsa2048,
+                        (crate::mb::Backend::Ifma, 3072) => KeyClass::Rsa3072,
+                        (crate::mb::Backend::Ifma, 4096) => KeyClass::Rsa4096,
+                        _ => KeyClass::Other,
+                    };
+                    let mb = if class == KeyClass::Other {
+                        MbKey::None
+                    } else {
+                        MbKey::Rsa(Box::new(k))
+                    };
+                    (class, mb, route.reason)
+                }
+                Err(e) => (KeyClass::Other, MbKey::None, e.to_string()),
+            }
+        }
+        Id::EC => match pkey
+            .ec_key()
+            .map_err(|e| e.to_string())
+            .and_then(|k| EcdsaKey::from_boring(&k).map_err(|e| e.to_string()))
+        {
+            Ok(k) => (KeyClass::EcdsaP256, MbKey::Ec(k), "ECDSA P-256".into()),
+            Err(e) => (KeyClass::Other, MbKey::None, e),
+        },
+        other => (KeyClass::Other, MbKey::None, format!("key type {other:?}")),
+    }
+}
+
+/// Live keys, by id. Holds weak references: the TLS contexts own the entries.
+#[derive(Default)]
+pub struct KeyTable {
+    next: AtomicU64,
+    keys: Mutex<HashMap<u64, Weak<KeyEntry>>>,
+}
+
+impl KeyTable {
+    /// Registers `pkey`, doing the multi-buffer precomputation once.
+    pub fn register(&self, pkey: PKey<Private>) -> Arc<KeyEntry> {
+        let (class, mb, route) = classify(&pkey);
+        let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
+        if class == KeyClass::Other {
+            tracing::info!(key = id, reason = %route, "key signs through BoringSSL single-op (not eligible for the multi-buffer core)");
+        }
+        let e = Arc::new(KeyEntry { id, class, route, pkey, mb });
+        let mut keys = self.keys.lock().unwrap();
+        keys.retain(|_, w| w.strong_count() > 0);
+        keys.insert(id, Arc::downgrade(&e));
+        e
+    }
+
+    /// Number of live keys per class.
+    pub fn live(&self) -> Vec<(KeyClass, usize)> {
+        let mut keys = self.keys.lock().unwrap();
+        keys.retain(|_, w| w.strong_count() > 0);
+        let mut counts: HashMap<KeyClass, usize> = HashMap::new();
+        for w in keys.values() {
+            if let Some(e) = w.upgrade() {
+                *counts.entry(e.class).or_default() += 1;
+            }
+        }
+        let mut v: Vec<_> = counts.into_iter().collect();
+        v.sort();
+        v
+    }
+}

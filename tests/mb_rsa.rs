@@ -1,0 +1,420 @@
+//! RSA multi-buffer signing against BoringSSL: PKCS#1 v1.5 byte-identical, PSS verifies, per-lane
+//! keys, partial batches, edge inputs, routing of ineligible keys, and the fault check.
+
+use std::sync::OnceLock;
+
+use boring::pkey::PKey;
+use boring::rsa::Padding as BPadding;
+use boring::sign::{RsaPssSaltlen, Signer, Verifier};
+use boring::ssl::SslSignatureAlgorithm;
+use mbtunnel::mb::rsa::{
+    fault_check_failures, inject_fault_next_batch, Padding, RsaBatch, RsaPrivateKey,
+};
+use mbtunnel::mb::{cpu_features, Backend, MbError};
+use rand::{Rng, RngCore, SeedableRng};
+use rand_chacha::ChaCha20Rng;
+
+const FIXTURES: &[(&str, &str)] = &[
+    ("rsa2048-1", include_str!("data/rsa2048-1.pem")),
+    ("rsa2048-2", include_str!("data/rsa2048-2.pem")),
+    ("rsa2048-3", include_str!("data/rsa2048-3.pem")),
+    ("rsa2048-4", include_str!("data/rsa2048-4.pem")),
+    ("rsa3072-1", include_str!("data/rsa3072-1.pem")),
+    ("rsa3072-2", include_str!("data/rsa3072-2.pem")),
+    ("rsa3072-3", include_str!("data/rsa3072-3.pem")),
+    ("rsa4096-1", include_str!("data/rsa4096-1.pem")),
+    ("rsa4096-2", include_str!("data/rsa4096-2.pem")),
+    ("rsa4096-3", include_str!("data/rsa4096-3.pem")),
+];
+
+fn keys() -> &'static Vec<(String, RsaPrivateKey)> {
+    static K: OnceLock<Vec<(String, RsaPrivateKey)>> = OnceLock::new();
+    K.get_or_init(|| {
+        FIXTURES
+            .iter()
+            .map(|(n, pem)| (n.to_string(), RsaPrivateKey::from_pem(pem.as_bytes()).unwrap()))
+            .collect()
+    })
+}
+
+fn keys_of(bits: usize) -> Vec<&'static RsaPrivateKey> {
+    keys().iter().filter(|(_, k)| k.bits() == bits).map(|(_, k)| k).collect()
+}
+
+fn ifma() -> bool {
+    let ok = cpu_features().ifma_capable();
+    if !ok {
+        eprintln!("skipping IFMA part: CPU lacks AVX-512 IFMA ({})", cpu_features());
+    }
+    ok
+}
+
+fn boring_sign(key: &RsaPrivateKey, msg: &[u8], padding: Padding) -> Vec<u8> {
+    let pkey = PKey::from_rsa(key.boring().clone()).unwrap();
+    let mut s = Signer::new(padding.digest(), &pkey).unwrap();
+    assert!(!padding.is_pss());
+    s.set_rsa_padding(BPadding::PKCS1).unwrap();
+    s.sign_oneshot_to_vec(msg).unwrap()
+}
+
+fn boring_verify(key: &RsaPrivateKey, msg: &[u8], sig: &[u8], padding: Padding) -> bool {
+    let pkey = PKey::from_rsa(key.public_key().unwrap()).unwrap();
+    let mut v = Verifier::new(padding.digest(), &pkey).unwrap();
+    if padding.is_pss() {
+        v.set_rsa_padding(BPadding::PKCS1_PSS).unwrap();
+        v.set_rsa_pss_saltlen(RsaPssSaltlen::DIGEST_LENGTH).unwrap();
+        v.set_rsa_mgf1_md(padding.digest()).unwrap();
+    } else {
+        v.set_rsa_padding(BPadding::PKCS1).unwrap();
+    }
+    v.verify_oneshot(sig, msg).unwrap_or(false)
+}
+
+fn random_msgs(rng: &mut ChaCha20Rng, n: usize) -> Vec<Vec<u8>> {
+    (0..n)
+        .map(|_| {
+            let len = rng.gen_range(0..300);
+            let mut m = vec![0u8; len];
+            rng.fill_bytes(&mut m);
+            m
+        })
+        .collect()
+}
+
+/// Eight lanes, keys mixed across lanes, every PKCS#1 digest: byte-identical to BoringSSL.
+fn pkcs1_identical(bits: usize, backend: Backend, seed: u64) {
+    let ks = keys_of(bits);
+    let mut rng = ChaCha20Rng::seed_from_u64(seed);
+    for padding in [Padding::Pkcs1Sha256, Padding::Pkcs1Sha384, Padding::Pkcs1Sha512] {
+        let lane_keys: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[(i * 7 + 3) % ks.len()]).collect();
+        let msgs = random_msgs(&mut rng, 8);
+        let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
+        let out = RsaBatch::sign_with(backend, &lane_keys, &m, padding);
+        for i in 0..8 {
+            let sig = out[i].as_ref().unwrap();
+            assert_eq!(
+                sig,
+                &boring_sign(lane_keys[i], m[i], padding),
+                "{bits} {padding:?} lane {i}"
+            );
+        }
+    }
+}
+
+#[test]
+fn pkcs1_byte_identical_2048() {
+    if ifma() {
+        pkcs1_identical(2048, Backend::Ifma, 1);
+    }
+    pkcs1_identical(2048, Backend::Scalar, 2);
+}
+
+#[test]
+fn pkcs1_byte_identical_3072() {
+    if ifma() {
+        pkcs1_identical(3072, Backend::Ifma, 3);
+    }
+}
+
+#[test]
+fn pkcs1_byte_identical_4096() {
+    if ifma() {
+        pkcs1_identical(4096, Backend::Ifma, 4);
+    }
+}
+
+#[test]
+fn pss_verifies_all_sizes_and_digests() {
+    let backends: &[Backend] =
+        if ifma() { &[Backend::Ifma, Backend::Scalar] } else { &[Backend::Scalar] };
+    let mut rng = ChaCha20Rng::seed_from_u64(5);
+    for &backend in backends {
+        for bits in [2048, 3072, 4096] {
+            let ks = keys_of(bits);
+            for padding in [Padding::PssSha256, Padding::PssSha384, Padding::PssSha512] {
+                let lane_keys: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[i % ks.len()]).collect();
+                let msgs = random_msgs(&mut rng, 8);
+                let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
+                let out = RsaBatch::sign_with(backend, &lane_keys, &m, padding);
+                for i in 0..8 {
+                    let sig = out[i].as_ref().unwrap();
+                    assert!(
+                        boring_verify(lane_keys[i], m[i], sig, padding),
+                        "{backend} {bits} {padding:?} lane {i}"
+                    );
+                }
+                // PSS is randomised: the same message twice gives different signatures.
+                assert_ne!(
+                    out[0],
+                    RsaBatch::sign_with(backend, &lane_keys[..1], &m[..1], padding)[0]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn partial_batches_1_to_7() {
+    if !ifma() {
+        return;
+    }
+    let ks = keys_of(2048);
+    let mut rng = ChaCha20Rng::seed_from_u64(6);
+    for n in 1..=7 {
+        let lane_keys: Vec<&RsaPrivateKey> = (0..n).map(|i| ks[(i + n) % ks.len()]).collect();
+        let msgs = random_msgs(&mut rng, n);
+        let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
+        let out = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &m, Padding::Pkcs1Sha256);
+        assert_eq!(out.len(), n);
+        for i in 0..n {
+            assert_eq!(
+                out[i].as_ref().unwrap(),
+                &boring_sign(lane_keys[i], m[i], Padding::Pkcs1Sha256)
+            );
+        }
+    }
+}
+
+#[test]
+fn edge_messages_and_raw_representatives() {
+    if !ifma() {
+        return;
+    }
+    for bits in [2048, 3072, 4096] {
+        let ks = keys_of(bits);
+        let zeros = vec![0u8; 1000];
+        let ones = vec![0xffu8; 1000];
+        let msgs: Vec<&[u8]> =
+            vec![b"", &zeros, &ones, b"\x00", b"\xff", &zeros[..1], &ones[..64], b"x"];
+        let lane_keys: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[i % ks.len()]).collect();
+        let out = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &msgs, Padding::Pkcs1Sha512);
+        for i in 0..8 {
+            assert_eq!(
+                out[i].as_ref().unwrap(),
+                &boring_sign(lane_keys[i], msgs[i], Padding::Pkcs1Sha512)
+            );
+        }
+        // Raw representatives: 0, 1, n−1, all-ones below n, all-zero with the top bit pattern.
+        let k = ks[0];
+        let size = k.size();
+        let n = k.boring().n().to_vec();
+        let mut n_minus_1 = n.clone();
+        *n_minus_1.last_mut().unwrap() -= 1; // n is odd
+        let mut one = vec![0u8; size];
+        one[size - 1] = 1;
+        let mut ones_below = vec![0xffu8; size];
+        ones_below[0] = n[0] - 1;
+        let mut top = vec![0u8; size];
+        top[0] = n[0] >> 1;
+        let reps: Vec<Vec<u8>> = vec![vec![0u8; size], one, n_minus_1, ones_below, top];
+        let r: Vec<&[u8]> = reps.iter().map(|v| v.as_slice()).collect();
+        let ks5 = vec![k; reps.len()];
+        let a = RsaBatch::private_op_with(Backend::Ifma, &ks5, &r);
+        let b = RsaBatch::private_op_with(Backend::Scalar, &ks5, &r);
+        for i in 0..reps.len() {
+            assert_eq!(a[i].as_ref().unwrap(), b[i].as_ref().unwrap(), "{bits} rep {i}");
+        }
+        // n itself is rejected for that lane only.
+        let bad = RsaBatch::private_op_with(Backend::Ifma, &[k, k], &[&n, &reps[1]]);
+        assert!(matches!(bad[0], Err(MbError::InvalidInput(_))));
+        assert!(bad[1].is_ok());
+    }
+}
+
+#[test]
+fn mixed_sizes_are_grouped_and_more_than_eight_split() {
+    if !ifma() {
+        return;
+    }
+    let all: Vec<&RsaPrivateKey> = keys().iter().map(|(_, k)| k).collect();
+    let lane_keys: Vec<&RsaPrivateKey> = (0..11).map(|i| all[i % all.len()]).collect();
+    let msgs: Vec<Vec<u8>> = (0..11).map(|i| vec![i as u8; i * 5]).collect();
+    let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
+    let out = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &m, Padding::Pkcs1Sha256);
+    for i in 0..11 {
+        assert_eq!(
+            out[i].as_ref().unwrap(),
+            &boring_sign(lane_keys[i], m[i], Padding::Pkcs1Sha256)
+        );
+    }
+    let more: Vec<&RsaPrivateKey> = vec![keys_of(2048)[0]; 10];
+    let m10: Vec<&[u8]> = vec![b"ten"; 10];
+    assert!(RsaBatch::sign_with(Backend::Ifma, &more, &m10, Padding::PssSha256)
+        .iter()
+        .all(|r| boring_verify(more[0], b"ten", r.as_ref().unwrap(), Padding::PssSha256)));
+}
+
+#[test]
+fn ineligible_keys_route_to_scalar_with_reason() {
+    let e3 = RsaPrivateKey::from_pem(include_bytes!("data/rsa2048-e3.pem")).unwrap();
+    let small = RsaPrivateKey::from_pem(include_bytes!("data/rsa1024.pem")).unwrap();
+    assert!(!e3.ifma_eligible() && !small.ifma_eligible());
+    let r = e3.route();
+    assert_eq!(r.backend, Backend::Scalar);
+    assert!(r.reason.contains("65537"), "{r}");
+    let r = small.route();
+    assert_eq!(r.backend, Backend::Scalar);
+    assert!(r.reason.contains("1024"), "{r}");
+    assert!(keys_of(2048)[0].ifma_eligible());
+    // They still sign, also when IFMA is asked for and mixed with eligible keys.
+    let backend = if ifma() { Backend::Ifma } else { Backend::Scalar };
+    let k2 = keys_of(2048)[0];
+    let ks = [&e3, &small, k2];
+    let out = RsaBatch::sign_with(backend, &ks, &[b"a", b"b", b"c"], Padding::Pkcs1Sha256);
+    for (i, m) in [b"a", b"b", b"c"].iter().enumerate() {
+        assert_eq!(out[i].as_ref().unwrap(), &boring_sign(ks[i], *m, Padding::Pkcs1Sha256));
+    }
+}
+
+#[test]
+fn fault_check_catches_corrupted_lane() {
+    if !ifma() {
+        return;
+    }
+    let ks = keys_of(2048);
+    let lane_keys: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[i % ks.len()]).collect();
+    let m: Vec<&[u8]> = vec![b"fault"; 8];
+    let before = fault_check_failures();
+    inject_fault_next_batch(1 << 3);
+    let out = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &m, Padding::Pkcs1Sha256);
+    for (i, r) in out.iter().enumerate() {
+        if i == 3 {
+            assert_eq!(r, &Err(MbError::FaultCheck));
+        } else {
+            assert_eq!(
+                r.as_ref().unwrap(),
+                &boring_sign(lane_keys[i], b"fault", Padding::Pkcs1Sha256)
+            );
+        }
+    }
+    assert!(fault_check_failures() > before);
+    // The hook is consumed: the next batch is clean.
+    assert!(RsaBatch::sign_with(Backend::Ifma, &lane_keys, &m, Padding::Pkcs1Sha256)
+        .iter()
+        .all(|r| r.is_ok()));
+}
+
+#[test]
+fn tls_scheme_mapping_and_entry_point() {
+    use SslSignatureAlgorithm as A;
+    for p in Padding::ALL {
+        assert_eq!(Padding::from_ssl_algorithm(p.ssl_algorithm()), Some(p));
+    }
+    assert_eq!(Padding::from_ssl_algorithm(A::ECDSA_SECP256R1_SHA256), None);
+    assert_eq!(Padding::from_ssl_algorithm(A::RSA_PKCS1_SHA1), None);
+    let k = keys_of(2048)[1];
+    let algs = [
+        A::RSA_PSS_RSAE_SHA256,
+        A::RSA_PKCS1_SHA384,
+        A::ECDSA_SECP256R1_SHA256,
+        A::RSA_PSS_RSAE_SHA512,
+    ];
+    let out = RsaBatch::sign_tls(&[k; 4], &[b"m0", b"m1", b"m2", b"m3"], &algs);
+    assert!(boring_verify(k, b"m0", out[0].as_ref().unwrap(), Padding::PssSha256));
+    assert_eq!(out[1].as_ref().unwrap(), &boring_sign(k, b"m1", Padding::Pkcs1Sha384));
+    assert!(matches!(out[2], Err(MbError::Unsupported(_))));
+    assert!(boring_verify(k, b"m3", out[3].as_ref().unwrap(), Padding::PssSha512));
+}
+
+#[test]
+fn key_loading_formats() {
+    let k = keys_of(2048)[0];
+    let der = k.boring().private_key_to_der().unwrap();
+    let k2 = RsaPrivateKey::from_der(&der).unwrap();
+    assert_eq!(k2.bits(), 2048);
+    assert!(k2.ifma_eligible());
+    assert!(RsaPrivateKey::from_der(b"junk").is_err());
+    assert!(RsaPrivateKey::from_pem(
+        b"-----BEGIN RSA PRIVATE KEY-----\nAA==\n-----END RSA PRIVATE KEY-----\n"
+    )
+    .is_err());
+    let ec = boring::ec::EcKey::generate(
+        &boring::ec::EcGroup::from_curve_name(boring::nid::Nid::X9_62_PRIME256V1).unwrap(),
+    )
+    .unwrap();
+    let pem = PKey::from_ec_key(ec).unwrap().private_key_to_pem_pkcs8().unwrap();
+    assert!(matches!(RsaPrivateKey::from_pem(&pem), Err(MbError::InvalidKey(_))));
+}
+
+#[test]
+fn mismatched_lengths_fail_clearly() {
+    let k = keys_of(2048)[0];
+    let out = RsaBatch::sign_with(Backend::Scalar, &[k, k], &[b"x"], Padding::Pkcs1Sha256);
+    assert!(out.iter().all(|r| matches!(r, Err(MbError::InvalidInput(_)))));
+}
+
+/// dudect-style timing check (reports, never asserts): Welch's t statistic between two input
+/// classes, samples interleaved at random. |t| well below 4.5 means no timing difference was
+/// detected at this sample size. Run: `cargo test --release --test mb_rsa dudect -- --ignored
+/// --nocapture` (pinned: prefix `taskset -c 1`).
+#[test]
+#[ignore]
+fn dudect_timing_report() {
+    if !ifma() {
+        return;
+    }
+    fn welch(a: &[f64], b: &[f64]) -> f64 {
+        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+        let var = |x: &[f64], m: f64| {
+            x.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / (x.len() - 1) as f64
+        };
+        let (ma, mb) = (mean(a), mean(b));
+        (ma - mb) / (var(a, ma) / a.len() as f64 + var(b, mb) / b.len() as f64).sqrt()
+    }
+    /// Drops the slowest 10% (preemption on a shared machine) before the test.
+    fn crop(mut v: Vec<f64>) -> Vec<f64> {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v.truncate(v.len() * 9 / 10);
+        v
+    }
+    let samples = 1500;
+    let ks = keys_of(2048);
+    let size = ks[0].size();
+    let mut rng = ChaCha20Rng::seed_from_u64(99);
+    type Batch = (Vec<&'static RsaPrivateKey>, Vec<Vec<u8>>);
+    let mut run = |name: &str, class: &mut dyn FnMut(bool, &mut ChaCha20Rng) -> Batch| {
+        let (mut t0, mut t1) = (Vec::new(), Vec::new());
+        for _ in 0..samples {
+            let c = rng.gen::<bool>();
+            let (k, reps) = class(c, &mut rng);
+            let r: Vec<&[u8]> = reps.iter().map(|v| v.as_slice()).collect();
+            let start = std::time::Instant::now();
+            let out = RsaBatch::private_op_with(Backend::Ifma, &k, &r);
+            let el = start.elapsed().as_secs_f64();
+            assert!(out.iter().all(|x| x.is_ok()));
+            if c {
+                t1.push(el)
+            } else {
+                t0.push(el)
+            }
+        }
+        let t = welch(&crop(t0), &crop(t1));
+        eprintln!("dudect {name}: t = {t:+.2} ({samples} samples; |t| < 4.5: no leak detected)");
+    };
+    // Class A: representative 0 in every lane vs random representatives, same keys.
+    run("fixed-zero vs random representative", &mut |c, rng| {
+        let k: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[i % ks.len()]).collect();
+        let reps = (0..8)
+            .map(|_| {
+                let mut v = vec![0u8; size];
+                if c {
+                    rng.fill_bytes(&mut v[1..]);
+                }
+                v
+            })
+            .collect();
+        (k, reps)
+    });
+    // Class B: the same representatives, key set 1 vs key set 2 (different secret exponents).
+    let fixed: Vec<Vec<u8>> = (0..8)
+        .map(|i| {
+            let mut v = vec![0u8; size];
+            v[1..].iter_mut().enumerate().for_each(|(j, b)| *b = (i * 31 + j) as u8);
+            v
+        })
+        .collect();
+    run("key set A vs key set B", &mut |c, _| {
+        let k: Vec<&RsaPrivateKey> = (0..8).map(|_| if c { ks[0] } else { ks[1] }).collect();
+        (k, fixed.clone())
+    });
+}

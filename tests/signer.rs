@@ -1,0 +1,351 @@
+//! The shared batching signer: batches form under concurrent handshakes, a lone handshake is not
+//! delayed, a full queue fails fast, a panicking thread is replaced, a faulty lane fails alone,
+//! and certificate rotation under load loses no handshake.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use boring::hash::MessageDigest;
+use boring::pkey::{PKey, Private};
+use boring::ssl::SslSignatureAlgorithm;
+use mbtunnel::config::KeyAlgorithm;
+use mbtunnel::identity::ca::{generate_key, DevCa};
+use mbtunnel::identity::store::CertStore;
+use mbtunnel::identity::Identity;
+use mbtunnel::metrics::Metrics;
+use mbtunnel::signer::{SignError, Signer, SignerConfig};
+use mbtunnel::tls::TlsProvider;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn signer(cfg: SignerConfig) -> (Signer, Arc<std::sync::Mutex<Registry>>) {
+    let s = Signer::start(cfg);
+    let mut reg = Registry::default();
+    s.metrics().register(&mut reg, mbtunnel::mb::backend_choice());
+    (s, Arc::new(std::sync::Mutex::new(reg)))
+}
+
+fn metrics_text(reg: &std::sync::Mutex<Registry>) -> String {
+    let mut s = String::new();
+    prometheus_client::encoding::text::encode(&mut s, &reg.lock().unwrap()).unwrap();
+    s
+}
+
+fn value(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(prefix))
+        .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+        .sum()
+}
+
+fn verify(key: &PKey<Private>, alg: SslSignatureAlgorithm, msg: &[u8], sig: &[u8]) -> bool {
+    let (md, pss) = match alg {
+        SslSignatureAlgorithm::RSA_PSS_RSAE_SHA256 => (MessageDigest::sha256(), true),
+        SslSignatureAlgorithm::RSA_PKCS1_SHA256 => (MessageDigest::sha256(), false),
+        _ => (MessageDigest::sha256(), false),
+    };
+    let mut v = boring::sign::Verifier::new(md, key).unwrap();
+    if pss {
+        v.set_rsa_padding(boring::rsa::Padding::PKCS1_PSS).unwrap();
+        v.set_rsa_pss_saltlen(boring::sign::RsaPssSaltlen::DIGEST_LENGTH).unwrap();
+    }
+    v.verify_oneshot(sig, msg).unwrap_or(false)
+}
+
+struct Side {
+    tls: Vec<Arc<TlsProvider>>,
+}
+
+/// TLS providers for ECDSA P-256 and RSA-2048 identities, all on one signer and one CA.
+fn providers(tag: &str, signer: &Signer) -> (Side, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("mbt-signer-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut tls = Vec::new();
+    for alg in [KeyAlgorithm::EcdsaP256, KeyAlgorithm::Rsa2048] {
+        let ca = DevCa::load_or_create(&dir, "cluster.local").unwrap();
+        let store = Arc::new(CertStore::new(ca, alg, Duration::from_secs(3600)));
+        let mut reg = Registry::default();
+        let m = Arc::new(Metrics::new(&mut reg));
+        tls.push(Arc::new(TlsProvider::new(store, signer.clone(), "cluster.local".into(), m)));
+    }
+    (Side { tls }, dir)
+}
+
+fn id(kind: &str, i: usize) -> Identity {
+    format!("spiffe://cluster.local/ns/load/sa/{kind}-{i}").parse().unwrap()
+}
+
+/// Starts a TLS server per identity; each accepted connection gets one byte, then closes.
+async fn servers(side: &Side, per_alg: usize) -> Vec<(std::net::SocketAddr, Identity, usize)> {
+    let mut out = Vec::new();
+    for (a, tls) in side.tls.iter().enumerate() {
+        for i in 0..per_alg {
+            let sid = id(&format!("srv{a}"), i);
+            tls.store().fetch(&sid).unwrap();
+            let l = tokio::net::TcpListener::bind("127.0.31.1:0").await.unwrap();
+            out.push((l.local_addr().unwrap(), sid.clone(), a));
+            let tls = tls.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Ok((s, _)) = l.accept().await else { return };
+                    let tls = tls.clone();
+                    let sid = sid.clone();
+                    tokio::spawn(async move {
+                        if let Ok((mut s, _peer)) = tls.accept(s, &sid).await {
+                            let _ = s.write_all(b"k").await;
+                            let _ = s.shutdown().await;
+                        }
+                    });
+                }
+            });
+        }
+    }
+    out
+}
+
+async fn handshake(
+    tls: &TlsProvider,
+    me: &Identity,
+    dst: std::net::SocketAddr,
+    peer: &Identity,
+) -> Result<(), String> {
+    let tcp = tokio::net::TcpStream::connect(dst).await.map_err(|e| e.to_string())?;
+    let mut s = tls.connect(tcp, me, peer).await.map_err(|e| e.to_string())?;
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b).await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_concurrent_mixed_handshakes_batch_and_verify() {
+    let (signer, reg) = signer(SignerConfig { threads: 2, ..Default::default() });
+    let (side, dir) = providers("load", &signer);
+    let srv = Arc::new(servers(&side, 4).await);
+    // Client identities: 4 per algorithm, issued before the load starts.
+    for (a, tls) in side.tls.iter().enumerate() {
+        for i in 0..4 {
+            tls.store().fetch(&id(&format!("cli{a}"), i)).unwrap();
+        }
+    }
+    let mut tasks = Vec::new();
+    for n in 0..320usize {
+        let (addr, sid, _) = srv[n % srv.len()].clone();
+        let a = (n / srv.len()) % 2; // client key type varies independently of the server's
+        let tls = side.tls[a].clone();
+        let me = id(&format!("cli{a}"), n % 4);
+        tasks.push(tokio::spawn(async move { handshake(&tls, &me, addr, &sid).await }));
+    }
+    let mut failures = Vec::new();
+    for t in tasks {
+        if let Err(e) = t.await.unwrap() {
+            failures.push(e);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} handshakes failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
+    let t = metrics_text(&reg);
+    // Every handshake signs twice (server and client CertificateVerify).
+    assert_eq!(value(&t, "mbtunnel_signer_ops_total"), 640.0, "{t}");
+    let (sum, count) = (
+        value(&t, "mbtunnel_signer_batch_size_sum"),
+        value(&t, "mbtunnel_signer_batch_size_count"),
+    );
+    let mean = sum / count;
+    println!("mean batch size {mean:.2} over {count} batches");
+    if mbtunnel::mb::backend() == mbtunnel::mb::Backend::Ifma {
+        assert!(mean > 1.0, "batches must form under concurrency: mean {mean}\n{t}");
+        assert!(
+            value(&t, "mbtunnel_signer_ops_total{algorithm=\"rsa-2048\",backend=\"ifma\"}") > 0.0,
+            "{t}"
+        );
+        assert!(
+            value(&t, "mbtunnel_signer_ops_total{algorithm=\"ecdsa-p256\",backend=\"ifma\"}") > 0.0,
+            "{t}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lone_handshake_runs_alone_without_a_timer() {
+    let (signer, reg) = signer(SignerConfig { threads: 1, ..Default::default() });
+    let (side, dir) = providers("lone", &signer);
+    let srv = servers(&side, 1).await;
+    let (addr, sid, a) = srv[1].clone();
+    let me = id("cli", 0);
+    side.tls[a].store().fetch(&me).unwrap();
+    handshake(&side.tls[a], &me, addr, &sid).await.unwrap();
+    let t = metrics_text(&reg);
+    // Two signatures, each in a batch of its own: nothing waited for company.
+    assert_eq!(value(&t, "mbtunnel_signer_batch_size_count"), 2.0, "{t}");
+    assert_eq!(value(&t, "mbtunnel_signer_batch_size_sum"), 2.0, "{t}");
+    let wait = value(&t, "mbtunnel_signer_queue_wait_seconds_sum") / 2.0;
+    println!("lone handshake: mean queue wait {:.1} us", wait * 1e6);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+fn rsa_key() -> PKey<Private> {
+    generate_key(KeyAlgorithm::Rsa2048).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_queue_fails_fast_and_recovers() {
+    let (signer, reg) = signer(SignerConfig { threads: 1, queue_limit: 4, ..Default::default() });
+    let pkey = generate_key(KeyAlgorithm::EcdsaP256).unwrap();
+    let key = signer.register(pkey.clone());
+    signer.hold(true);
+    let mut queued = Vec::new();
+    for i in 0..4 {
+        let (s, k) = (signer.clone(), key.clone());
+        queued.push(tokio::spawn(async move {
+            s.sign(k, vec![i; 32], SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256).await
+        }));
+    }
+    while signer.queue_depth() < 4 {
+        tokio::task::yield_now().await;
+    }
+    let e = signer
+        .sign(key.clone(), b"one too many".to_vec(), SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256)
+        .await;
+    assert_eq!(e, Err(SignError::QueueFull(4)));
+    assert!(e.unwrap_err().to_string().contains("queue full"));
+    assert_eq!(
+        value(&metrics_text(&reg), "mbtunnel_signer_rejected_total{reason=\"queue_full\"}"),
+        1.0
+    );
+    signer.hold(false);
+    for (i, q) in queued.into_iter().enumerate() {
+        let sig = q.await.unwrap().expect("queued request completes once load drops");
+        assert!(verify(&pkey, SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256, &[i as u8; 32], &sig));
+    }
+    let sig = signer
+        .sign(key, b"after".to_vec(), SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256)
+        .await
+        .unwrap();
+    assert!(verify(&pkey, SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256, b"after", &sig));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panicking_thread_fails_its_batch_and_is_restarted() {
+    let (signer, reg) = signer(SignerConfig { threads: 1, ..Default::default() });
+    let pkey = rsa_key();
+    let key = signer.register(pkey.clone());
+    signer.hold(true);
+    let mut queued = Vec::new();
+    for i in 0..3u8 {
+        let (s, k) = (signer.clone(), key.clone());
+        queued.push(tokio::spawn(async move {
+            s.sign(k, vec![i], SslSignatureAlgorithm::RSA_PSS_RSAE_SHA256).await
+        }));
+    }
+    while signer.queue_depth() < 3 {
+        tokio::task::yield_now().await;
+    }
+    signer.inject_panic_next_batch();
+    signer.hold(false);
+    for q in queued {
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(30), q).await.unwrap().unwrap(),
+            Err(SignError::WorkerPanicked)
+        );
+    }
+    // The replacement thread is counted right after the unwind that failed the batch.
+    for _ in 0..400 {
+        if value(&metrics_text(&reg), "mbtunnel_signer_thread_restarts_total") >= 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(value(&metrics_text(&reg), "mbtunnel_signer_thread_restarts_total"), 1.0);
+    let alg = SslSignatureAlgorithm::RSA_PSS_RSAE_SHA256;
+    let sig = signer.sign(key, b"new".to_vec(), alg).await.expect("the restarted thread serves");
+    assert!(verify(&pkey, alg, b"new", &sig));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_faulty_lane_fails_only_its_handshake() {
+    if mbtunnel::mb::backend() != mbtunnel::mb::Backend::Ifma {
+        println!(
+            "skipped: the fault check under test runs on the IFMA backend, not available here"
+        );
+        return;
+    }
+    let (signer, reg) = signer(SignerConfig { threads: 1, ..Default::default() });
+    let pkeys: Vec<_> = (0..4).map(|_| rsa_key()).collect();
+    let keys: Vec<_> = pkeys.iter().map(|k| signer.register(k.clone())).collect();
+    signer.hold(true);
+    let alg = SslSignatureAlgorithm::RSA_PKCS1_SHA256;
+    let mut queued = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        let (s, k) = (signer.clone(), k.clone());
+        queued.push(tokio::spawn(async move { s.sign(k, vec![i as u8; 40], alg).await }));
+    }
+    while signer.queue_depth() < 4 {
+        tokio::task::yield_now().await;
+    }
+    signer.inject_fault_next_batch(0b0100);
+    signer.hold(false);
+    for (i, q) in queued.into_iter().enumerate() {
+        let r = q.await.unwrap();
+        if i == 2 {
+            assert_eq!(r, Err(SignError::FaultCheck));
+        } else {
+            assert!(verify(&pkeys[i], alg, &[i as u8; 40], &r.unwrap()), "lane {i}");
+        }
+    }
+    assert_eq!(value(&metrics_text(&reg), "mbtunnel_signer_fault_check_failures_total"), 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotation_under_load_registers_new_keys_and_retires_old() {
+    let (signer, _reg) = signer(SignerConfig { threads: 2, ..Default::default() });
+    let (side, dir) = providers("rot", &signer);
+    let srv = Arc::new(servers(&side, 1).await);
+    let me = id("cli", 0);
+    for tls in &side.tls {
+        tls.store().fetch(&me).unwrap();
+    }
+    let load = {
+        let (side_tls, srv, me) = (side.tls.clone(), srv.clone(), me.clone());
+        tokio::spawn(async move {
+            let mut fails = 0;
+            for round in 0..12 {
+                let mut ts = Vec::new();
+                for n in 0..16 {
+                    let (addr, sid, a) = srv[n % srv.len()].clone();
+                    let tls = side_tls[a].clone();
+                    let me = me.clone();
+                    ts.push(tokio::spawn(async move { handshake(&tls, &me, addr, &sid).await }));
+                }
+                for t in ts {
+                    fails += t.await.unwrap().is_err() as usize;
+                }
+                let _ = round;
+            }
+            fails
+        })
+    };
+    for _ in 0..4 {
+        for (a, tls) in side.tls.iter().enumerate() {
+            let store = tls.store().clone();
+            let sid = srv.iter().find(|s| s.2 == a).unwrap().1.clone();
+            tokio::task::spawn_blocking(move || store.renew(&sid).unwrap()).await.unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(load.await.unwrap(), 0, "no handshake may fail during rotation");
+    // One more handshake per server through the current contexts, then only current keys live.
+    for (addr, sid, a) in srv.iter() {
+        handshake(&side.tls[*a], &me, *addr, sid).await.unwrap();
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let live: usize = signer.keys().live().iter().map(|(_, n)| n).sum();
+    // 2 server identities + 1 client identity in 2 providers = 4 current keys; each context pair
+    // (acceptor + connector) registers its key twice.
+    assert_eq!(live, 8, "old keys must retire once their contexts are gone");
+    let _ = std::fs::remove_dir_all(dir);
+}
