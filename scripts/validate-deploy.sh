@@ -14,8 +14,9 @@ BIN=${BIN:-target/release/mbtunnel}
 KV_VERSION=1.37.0
 K8S_VERSIONS=${K8S_VERSIONS:-"1.29.0 1.37.0"}
 VENV=${VALIDATE_VENV:-$PWD/target/validate-deploy-venv}
-# Env vars the DaemonSet may set before the binary reads them. MBTUNNEL_SIGNER_THREADS: the
-# batching signer's thread count (from the CPU limit); remove it here once `run --help` lists it.
+# Env vars the binary reads but `run --help` does not list (tests/deploy.rs checks them against
+# mbtunnel::config::env). MBTUNNEL_SIGNER_THREADS: the signer's thread count, read by
+# Config::apply_env; drop it here once `run --help` documents it.
 RESERVED_ENV="MBTUNNEL_SIGNER_THREADS"
 
 if ! "$VENV/bin/kubernetes-validate" --version 2>/dev/null | grep -q "$KV_VERSION"; then
@@ -68,5 +69,5 @@ if bad:
 if not used:
     sys.exit("validate-deploy: no env vars found in the DaemonSet")
 print(f"validate-deploy: env {', '.join(used)} known to the binary"
-      + (f" (reserved: {' '.join(reserved)})" if reserved else ""))
+      + (f" (not in --help, checked by tests/deploy.rs: {' '.join(reserved)})" if reserved else ""))
 PYEOF

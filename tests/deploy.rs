@@ -7,7 +7,8 @@
 //!   the termination grace period, the CA mounts and the signer thread env follow the config.
 //!
 //! Kubernetes schema validation and the env-name check against `mbtunnel run --help` are in
-//! `scripts/validate-deploy.sh` (`make validate-deploy`).
+//! `scripts/validate-deploy.sh` (`make validate-deploy`); here env names are checked against
+//! `mbtunnel::config::env`.
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -15,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use mbtunnel::config::Config;
+use mbtunnel::config::{env, Config};
 use serde::Deserialize;
 use serde_yaml::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -235,7 +236,7 @@ fn configmap_parses_with_the_proxys_parser_and_env() {
     // The image's EXPOSE (the defaults) must be what the deployed config listens on.
     assert_eq!(exposed_ports(&cfg), exposed_ports(&Config::default()));
     // The config file the binary is pointed at is the ConfigMap's key, mounted.
-    let path = literal(mbtunnel::config::env::CONFIG).expect("MBTUNNEL_CONFIG set");
+    let path = literal(env::CONFIG).expect("MBTUNNEL_CONFIG set");
     let mount = c["volumeMounts"]
         .as_sequence()
         .unwrap()
@@ -299,6 +300,31 @@ fn signer_threads_follow_the_cpu_limit() {
     assert_eq!(r["resource"], "limits.cpu");
     assert_eq!(r["containerName"], "mbtunnel");
     assert_eq!(r["divisor"], "1", "whole CPUs, rounded up");
+    // What the kubelet puts there (the limit in whole CPUs) is what the config reads.
+    let limit = c["resources"]["limits"]["cpu"].as_str().expect("CPU limit in whole CPUs");
+    let mut cfg = configmap_config();
+    cfg.apply_env(|k| (k == env::SIGNER_THREADS).then(|| limit.to_string())).unwrap();
+    assert_eq!(cfg.signer_threads.to_string(), limit);
+}
+
+#[test]
+fn daemonset_env_names_are_the_binarys() {
+    let known = [
+        env::CONFIG,
+        env::NODE_NAME,
+        env::TRUST_DOMAIN,
+        env::CA_DIR,
+        env::KEY_ALGORITHM,
+        env::SIGNER_BACKEND,
+        env::LOG_FORMAT,
+        env::SIGNER_THREADS,
+        env::LOG,
+    ];
+    let ds = daemonset();
+    for e in container(&ds)["env"].as_sequence().unwrap() {
+        let name = str_of(&e["name"]);
+        assert!(known.contains(&name), "{name} is not in mbtunnel::config::env");
+    }
 }
 
 #[test]
