@@ -418,3 +418,24 @@ fn dudect_timing_report() {
         (k, fixed.clone())
     });
 }
+
+#[test]
+fn fresh_keys_each_lane() {
+    if !ifma() {
+        return;
+    }
+    // Eight freshly generated keys, one per lane (fixtures cover 3072/4096 and repeated keys).
+    let ks: Vec<RsaPrivateKey> = (0..8)
+        .map(|_| RsaPrivateKey::from_boring(&boring::rsa::Rsa::generate(2048).unwrap()).unwrap())
+        .collect();
+    let refs: Vec<&RsaPrivateKey> = ks.iter().collect();
+    let mut rng = ChaCha20Rng::seed_from_u64(7);
+    for padding in [Padding::Pkcs1Sha256, Padding::Pkcs1Sha512] {
+        let msgs = random_msgs(&mut rng, 8);
+        let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
+        let out = RsaBatch::sign_with(Backend::Ifma, &refs, &m, padding);
+        for i in 0..8 {
+            assert_eq!(out[i].as_ref().unwrap(), &boring_sign(refs[i], m[i], padding), "lane {i}");
+        }
+    }
+}

@@ -784,29 +784,76 @@ mod tests {
     #[test]
     fn montgomery_ops_20() {
         if have_ifma() {
-            mont_ops::<20, 40>(1024, 150, 20);
-            mont_ops::<20, 40>(1000, 50, 21);
+            mont_ops::<20, 40>(1024, 600, 20);
+            mont_ops::<20, 40>(1000, 200, 21);
         }
     }
 
     #[test]
     fn montgomery_ops_30() {
         if have_ifma() {
-            mont_ops::<30, 60>(1536, 100, 30);
+            mont_ops::<30, 60>(1536, 300, 30);
         }
     }
 
     #[test]
     fn montgomery_ops_40() {
         if have_ifma() {
-            mont_ops::<40, 80>(2048, 80, 40);
+            mont_ops::<40, 80>(2048, 200, 40);
         }
     }
 
     #[test]
     fn montgomery_ops_80() {
         if have_ifma() {
-            mont_ops::<80, 160>(4096, 20, 80);
+            mont_ops::<80, 160>(4096, 40, 80);
+        }
+    }
+
+    /// REDC of a double-width value, the plain product and the masked lookup, lane-distinct.
+    fn redc_mul_lookup<const L: usize, const L2: usize>(bits: usize, cases: usize, seed: u64) {
+        let mut rng = ChaCha20Rng::seed_from_u64(seed);
+        let mut ctx = BigNumContext::new().unwrap();
+        for _ in 0..cases {
+            let ms: Vec<BigNum> = (0..8).map(|_| rand_mod(&mut rng, bits)).collect();
+            let k0 = k0s(&ms);
+            let vm = pack::<L>(&ms);
+            // t < m·R: a random value of bits + 52L − 1 bits
+            let ts: Vec<BigNum> = (0..8).map(|_| rand_bn(&mut rng, bits + 52 * L - 1)).collect();
+            let mut vt = pack::<L2>(&ts);
+            let red = unpack(&unsafe { redc::<L, L2>(&mut vt, &vm, k0) });
+            let a: Vec<BigNum> = ms.iter().map(|m| below(&mut rng, m)).collect();
+            let b: Vec<BigNum> = (0..8).map(|_| rand_bn(&mut rng, 52 * L)).collect();
+            let wide = unpack(&unsafe { mul_wide::<L, L2>(&pack::<L>(&a), &pack::<L>(&b)) });
+            for i in 0..8 {
+                let r = r_mod(52 * L, &ms[i]);
+                assert!(eq_mod(&modmul(&red[i], &r, &ms[i]), &ts[i], &ms[i]), "redc lane {i}");
+                let mut prod = BigNum::new().unwrap();
+                prod.checked_mul(&a[i], &b[i], &mut ctx).unwrap();
+                assert_eq!(wide[i], prod, "mul_wide lane {i}");
+            }
+            // lookup: 16 random entries, a random index per lane
+            let table: Vec<N52x8<L>> = (0..16)
+                .map(|_| {
+                    let e: Vec<BigNum> = (0..8).map(|_| rand_bn(&mut rng, 52 * L)).collect();
+                    pack::<L>(&e)
+                })
+                .collect();
+            let idx: [u64; 8] = core::array::from_fn(|_| rng.gen_range(0..16));
+            let got = unsafe { scatter(&lookup(&table, U64x8::from_array(idx))) };
+            for i in 0..8 {
+                let want = unsafe { scatter(&table[idx[i] as usize]) };
+                assert_eq!(got[i], want[i], "lookup lane {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn redc_mul_wide_lookup() {
+        if have_ifma() {
+            redc_mul_lookup::<20, 40>(1024, 200, 60);
+            redc_mul_lookup::<30, 60>(1536, 100, 61);
+            redc_mul_lookup::<40, 80>(2048, 100, 62);
         }
     }
 
