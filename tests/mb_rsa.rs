@@ -341,6 +341,11 @@ fn mismatched_lengths_fail_clearly() {
     let k = keys_of(2048)[0];
     let out = RsaBatch::sign_with(Backend::Scalar, &[k, k], &[b"x"], Padding::Pkcs1Sha256);
     assert!(out.iter().all(|r| matches!(r, Err(MbError::InvalidInput(_)))));
+    let algs = [SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256];
+    let out = RsaBatch::sign_tls(&[k, k], &[b"x", b"y"], &algs);
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|r| matches!(r, Err(MbError::InvalidInput(_)))));
+    assert!(RsaBatch::sign(&[], &[], Padding::PssSha256).is_empty());
 }
 
 /// dudect-style timing check (reports, never asserts): Welch's t statistic between two input
@@ -438,4 +443,11 @@ fn fresh_keys_each_lane() {
             assert_eq!(out[i].as_ref().unwrap(), &boring_sign(refs[i], m[i], padding), "lane {i}");
         }
     }
+}
+
+#[test]
+fn keys_are_shareable_across_signer_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<RsaPrivateKey>();
+    assert_send_sync::<Padding>();
 }

@@ -386,6 +386,15 @@ impl RsaBatch {
         msgs: &[&[u8]],
         algs: &[SslSignatureAlgorithm],
     ) -> Vec<Result<Vec<u8>, MbError>> {
+        if keys.len() != msgs.len() || keys.len() != algs.len() {
+            let e = MbError::InvalidInput(format!(
+                "{} keys, {} messages, {} algorithms: lengths must match",
+                keys.len(),
+                msgs.len(),
+                algs.len()
+            ));
+            return vec![Err(e); keys.len().max(msgs.len()).max(algs.len())];
+        }
         let pads: Vec<Option<Padding>> =
             algs.iter().map(|&a| Padding::from_ssl_algorithm(a)).collect();
         let ok: Vec<usize> = (0..pads.len()).filter(|&i| pads[i].is_some()).collect();
