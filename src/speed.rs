@@ -58,6 +58,16 @@ pub struct SpeedRow {
     pub ratio: Option<f64>,
     /// Wall time of one full IFMA batch call (eight signatures), microseconds (best round).
     pub batch_latency_us: Option<f64>,
+    /// Smallest number of queued requests for which one IFMA batch finishes sooner than that many
+    /// BoringSSL single operations (a batch costs the same with 1 or 8 lanes filled); below it a
+    /// signer should use the single-op path.
+    pub crossover_batch: Option<usize>,
+}
+
+/// Smallest `k` with `k` single operations slower than one batch.
+pub fn crossover(batch_latency_us: f64, scalar_ops_per_s: f64) -> usize {
+    let single_us = 1e6 / scalar_ops_per_s;
+    ((batch_latency_us / single_us).floor() as usize + 1).max(1)
 }
 
 /// The result of [`run_speed`].
@@ -85,8 +95,8 @@ impl fmt::Display for SpeedReport {
         writeln!(f, "{:.2} s per measurement, one thread", self.seconds_per_measurement)?;
         writeln!(
             f,
-            "{:<24} {:>12} {:>14} {:>8} {:>16}",
-            "algorithm", "ifma ops/s", "boring ops/s", "ratio", "batch-8 latency"
+            "{:<24} {:>12} {:>14} {:>8} {:>16} {:>10}",
+            "algorithm", "ifma ops/s", "boring ops/s", "ratio", "batch-8 latency", "crossover"
         )?;
         let opt = |v: Option<f64>, prec: usize, suffix: &str| match v {
             Some(x) => format!("{x:.prec$}{suffix}"),
@@ -95,12 +105,13 @@ impl fmt::Display for SpeedReport {
         for r in &self.rows {
             writeln!(
                 f,
-                "{:<24} {:>12} {:>14.0} {:>8} {:>16}",
+                "{:<24} {:>12} {:>14.0} {:>8} {:>16} {:>10}",
                 r.algorithm,
                 opt(r.ifma_ops_per_s, 0, ""),
                 r.scalar_ops_per_s,
                 opt(r.ratio, 2, "x"),
                 opt(r.batch_latency_us, 0, " us"),
+                r.crossover_batch.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
             )?;
         }
         Ok(())
@@ -171,6 +182,7 @@ pub fn rsa_row(bits: usize, padding: Padding, duration: Duration, ifma: bool) ->
         scalar_ops_per_s: scalar,
         ratio: ifma_ops.map(|x| x / scalar),
         batch_latency_us: lat,
+        crossover_batch: lat.map(|l| crossover(l, scalar)),
     }
 }
 
@@ -254,6 +266,7 @@ mod tests {
                     scalar_ops_per_s: 1250.0,
                     ratio: Some(8.0),
                     batch_latency_us: Some(800.0),
+                    crossover_batch: Some(2),
                 },
                 SpeedRow {
                     algorithm: "RSA-4096 pkcs1-sha256".into(),
@@ -261,6 +274,7 @@ mod tests {
                     scalar_ops_per_s: 175.0,
                     ratio: None,
                     batch_latency_us: None,
+                    crossover_batch: None,
                 },
             ],
         };
@@ -269,6 +283,13 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert_eq!(v["rows"][0]["ratio"], 8.0);
         assert!(v["rows"][1]["ifma_ops_per_s"].is_null());
+    }
+
+    #[test]
+    fn crossover_counts_single_ops() {
+        // batch 1000 us, single op 400 us: 2 singles (800 us) beat a batch, 3 (1200 us) do not
+        assert_eq!(crossover(1000.0, 2500.0), 3);
+        assert_eq!(crossover(100.0, 1000.0), 1);
     }
 
     #[test]
