@@ -344,7 +344,11 @@ mod tests {
             ..Default::default()
         };
         let r = run_speed(&opts);
-        assert_eq!(r.rows.len(), 1);
-        assert!(r.rows[0].scalar_ops_per_s > 0.0);
+        assert_eq!(r.rows.len(), 2, "RSA-2048 and ECDSA P-256");
+        assert!(r.rows[1].algorithm.starts_with("ECDSA-P256"));
+        for row in &r.rows {
+            assert!(row.scalar_ops_per_s > 0.0);
+            assert_eq!(row.ifma_ops_per_s.is_some(), crate::mb::backend() == Backend::Ifma);
+        }
     }
 }
