@@ -85,7 +85,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         threads = signer.config().thread_count(),
         max_wait_us = cfg.signer_max_wait_us,
         queue_limit = cfg.signer_queue_limit,
-        scalar_below = cfg.signer_scalar_below,
+        scalar_below = ?cfg.signer_scalar_below,
         "signer started"
     );
     let tls = Arc::new(TlsProvider::new(

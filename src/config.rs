@@ -181,7 +181,8 @@ pub struct Config {
     /// Requests allowed to wait in the signer; beyond it handshakes fail fast.
     pub signer_queue_limit: usize,
     /// Batches of at most this many requests use BoringSSL single-op (faster for so few).
-    pub signer_scalar_below: usize,
+    /// Unset: the measured per-class defaults (2 for RSA, 1 for ECDSA P-256).
+    pub signer_scalar_below: Option<usize>,
     pub nodes: Vec<Node>,
     pub workloads: Vec<Workload>,
     pub services: Vec<Service>,
@@ -212,7 +213,7 @@ impl Default for Config {
             signer_threads: 0,
             signer_max_wait_us: 0,
             signer_queue_limit: 4096,
-            signer_scalar_below: crate::signer::DEFAULT_SCALAR_BELOW,
+            signer_scalar_below: None,
             nodes: Vec::new(),
             workloads: Vec::new(),
             services: Vec::new(),
@@ -301,11 +302,8 @@ impl Config {
         if self.signer_queue_limit == 0 {
             return bad("signer_queue_limit must be at least 1".into());
         }
-        if self.signer_scalar_below > crate::mb::LANES {
-            return bad(format!(
-                "signer_scalar_below {} exceeds the batch size 8",
-                self.signer_scalar_below
-            ));
+        if let Some(k) = self.signer_scalar_below.filter(|k| *k > crate::mb::LANES) {
+            return bad(format!("signer_scalar_below {k} exceeds the batch size 8"));
         }
         let mut uids = std::collections::HashSet::new();
         let mut ips = BTreeMap::new();

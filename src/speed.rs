@@ -58,6 +58,16 @@ pub struct SpeedRow {
     pub ratio: Option<f64>,
     /// Wall time of one full IFMA batch call (eight signatures), microseconds (best round).
     pub batch_latency_us: Option<f64>,
+    /// Smallest number of queued requests for which one IFMA batch finishes sooner than that many
+    /// BoringSSL single operations (a batch costs the same with 1 or 8 lanes filled); below it a
+    /// signer should use the single-op path.
+    pub crossover_batch: Option<usize>,
+}
+
+/// Smallest `k` with `k` single operations slower than one batch.
+pub fn crossover(batch_latency_us: f64, scalar_ops_per_s: f64) -> usize {
+    let single_us = 1e6 / scalar_ops_per_s;
+    ((batch_latency_us / single_us).floor() as usize + 1).max(1)
 }
 
 /// The result of [`run_speed`].
@@ -85,8 +95,8 @@ impl fmt::Display for SpeedReport {
         writeln!(f, "{:.2} s per measurement, one thread", self.seconds_per_measurement)?;
         writeln!(
             f,
-            "{:<24} {:>12} {:>14} {:>8} {:>16}",
-            "algorithm", "ifma ops/s", "boring ops/s", "ratio", "batch-8 latency"
+            "{:<24} {:>12} {:>14} {:>8} {:>16} {:>10}",
+            "algorithm", "ifma ops/s", "boring ops/s", "ratio", "batch-8 latency", "crossover"
         )?;
         let opt = |v: Option<f64>, prec: usize, suffix: &str| match v {
             Some(x) => format!("{x:.prec$}{suffix}"),
@@ -95,12 +105,13 @@ impl fmt::Display for SpeedReport {
         for r in &self.rows {
             writeln!(
                 f,
-                "{:<24} {:>12} {:>14.0} {:>8} {:>16}",
+                "{:<24} {:>12} {:>14.0} {:>8} {:>16} {:>10}",
                 r.algorithm,
                 opt(r.ifma_ops_per_s, 0, ""),
                 r.scalar_ops_per_s,
                 opt(r.ratio, 2, "x"),
                 opt(r.batch_latency_us, 0, " us"),
+                r.crossover_batch.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
             )?;
         }
         Ok(())
@@ -140,51 +151,95 @@ pub fn rsa_row(bits: usize, padding: Padding, duration: Duration, ifma: bool) ->
     let n_keys = if bits >= 4096 { 2 } else { 4 };
     let keys: Vec<RsaPrivateKey> = (0..n_keys).map(|_| bench_key(bits)).collect();
     let lane_keys: Vec<&RsaPrivateKey> = (0..LANES).map(|i| &keys[i % keys.len()]).collect();
-    let msg: &[u8] = b"mbtunnel speed: TLS 1.3 CertificateVerify stand-in message";
+    let msg: &[u8] = MESSAGE;
     let msgs = vec![msg; LANES];
-    // Alternate short IFMA and BoringSSL rounds and keep each side's best round: on a shared
-    // machine this compares the two under the same conditions instead of whichever ran while
-    // another process had the core.
-    let run_ifma = ifma && mb::cpu_features().ifma_capable();
-    let rounds = ROUNDS;
-    let slice = duration / rounds;
-    let (mut scalar, mut ifma_ops, mut lat) = (0f64, None::<f64>, None::<f64>);
-    for _ in 0..rounds {
-        let (s, _) = measure_ops(slice, 1, || {
+    alternating_row(
+        format!("RSA-{bits} {}", padding.name()),
+        duration,
+        ifma,
+        || {
             let r = RsaBatch::sign_with(Backend::Scalar, &lane_keys[..1], &msgs[..1], padding);
             assert!(r[0].is_ok());
-        });
+        },
+        || {
+            let r = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &msgs, padding);
+            assert!(r.iter().all(|x| x.is_ok()));
+        },
+    )
+}
+
+/// What the benchmarks sign.
+const MESSAGE: &[u8] = b"mbtunnel speed: TLS 1.3 CertificateVerify stand-in message";
+
+/// Measures one algorithm: a single BoringSSL operation against one full IFMA batch of eight,
+/// in alternating short rounds, keeping each side's best round — on a shared machine this
+/// compares the two under the same conditions instead of whichever ran while another process had
+/// the core.
+fn alternating_row(
+    algorithm: String,
+    duration: Duration,
+    ifma: bool,
+    mut scalar_op: impl FnMut(),
+    mut ifma_op: impl FnMut(),
+) -> SpeedRow {
+    let run_ifma = ifma && mb::cpu_features().ifma_capable();
+    let slice = duration / ROUNDS;
+    let (mut scalar, mut ifma_ops, mut lat) = (0f64, None::<f64>, None::<f64>);
+    for _ in 0..ROUNDS {
+        let (s, _) = measure_ops(slice, 1, &mut scalar_op);
         scalar = scalar.max(s);
         if run_ifma {
-            let (o, l) = measure_ops(slice, LANES, || {
-                let r = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &msgs, padding);
-                assert!(r.iter().all(|x| x.is_ok()));
-            });
+            let (o, l) = measure_ops(slice, LANES, &mut ifma_op);
             ifma_ops = Some(ifma_ops.unwrap_or(0.0).max(o));
             let l = l.as_secs_f64() * 1e6;
             lat = Some(lat.unwrap_or(f64::MAX).min(l));
         }
     }
     SpeedRow {
-        algorithm: format!("RSA-{bits} {}", padding.name()),
+        algorithm,
         ifma_ops_per_s: ifma_ops,
         scalar_ops_per_s: scalar,
         ratio: ifma_ops.map(|x| x / scalar),
         batch_latency_us: lat,
+        crossover_batch: lat.map(|l| crossover(l, scalar)),
     }
+}
+
+/// Measures ECDSA P-256 signing (SHA-256, hedged nonces) the same way as RSA.
+pub fn p256_row(duration: Duration, ifma: bool) -> SpeedRow {
+    use crate::mb::p256::{sign_batch_with, EcdsaKey};
+    let group = boring::ec::EcGroup::from_curve_name(boring::nid::Nid::X9_62_PRIME256V1)
+        .expect("P-256 group");
+    let keys: Vec<EcdsaKey> = (0..4)
+        .map(|_| {
+            let k = boring::ec::EcKey::generate(&group).expect("P-256 key generation");
+            EcdsaKey::from_boring(&k).expect("generated key is valid")
+        })
+        .collect();
+    let lane_keys: Vec<&EcdsaKey> = (0..LANES).map(|i| &keys[i % keys.len()]).collect();
+    let msgs = vec![MESSAGE; LANES];
+    crate::mb::p256::prepare();
+    alternating_row(
+        "ECDSA-P256 sha256".into(),
+        duration,
+        ifma,
+        || assert!(sign_batch_with(Backend::Scalar, &lane_keys[..1], &msgs[..1])[0].is_ok()),
+        || assert!(sign_batch_with(Backend::Ifma, &lane_keys, &msgs).iter().all(|r| r.is_ok())),
+    )
 }
 
 /// Measures every configured algorithm. Takes about `2 · duration` per algorithm plus key
 /// generation.
 pub fn run_speed(opts: &SpeedOptions) -> SpeedReport {
     let choice = mb::backend_choice();
+    // A forced scalar backend measures the scalar path only: that is what the process would run.
+    let ifma = opts.ifma && choice.backend == Backend::Ifma;
     let mut rows: Vec<SpeedRow> = opts
         .rsa_bits
         .iter()
-        .map(|&bits| rsa_row(bits, opts.rsa_padding, opts.duration, opts.ifma))
+        .map(|&bits| rsa_row(bits, opts.rsa_padding, opts.duration, ifma))
         .collect();
-    // ECDSA P-256 rows: `crate::mb::p256` appends its own `SpeedRow` here (see `measure_ops`).
-    rows.extend(extra_rows(opts));
+    rows.push(p256_row(opts.duration, ifma));
     SpeedReport {
         backend: choice.backend.to_string(),
         backend_reason: choice.reason.clone(),
@@ -192,11 +247,6 @@ pub fn run_speed(opts: &SpeedOptions) -> SpeedReport {
         seconds_per_measurement: opts.duration.as_secs_f64(),
         rows,
     }
-}
-
-/// Hook for algorithms other than RSA (the P-256 work adds its row here).
-fn extra_rows(_opts: &SpeedOptions) -> Vec<SpeedRow> {
-    Vec::new()
 }
 
 /// `mbtunnel doctor`: CPU features, the chosen backend and why, and how RSA keys are routed.
@@ -254,6 +304,7 @@ mod tests {
                     scalar_ops_per_s: 1250.0,
                     ratio: Some(8.0),
                     batch_latency_us: Some(800.0),
+                    crossover_batch: Some(2),
                 },
                 SpeedRow {
                     algorithm: "RSA-4096 pkcs1-sha256".into(),
@@ -261,6 +312,7 @@ mod tests {
                     scalar_ops_per_s: 175.0,
                     ratio: None,
                     batch_latency_us: None,
+                    crossover_batch: None,
                 },
             ],
         };
@@ -269,6 +321,13 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert_eq!(v["rows"][0]["ratio"], 8.0);
         assert!(v["rows"][1]["ifma_ops_per_s"].is_null());
+    }
+
+    #[test]
+    fn crossover_counts_single_ops() {
+        // batch 1000 us, single op 400 us: 2 singles (800 us) beat a batch, 3 (1200 us) do not
+        assert_eq!(crossover(1000.0, 2500.0), 3);
+        assert_eq!(crossover(100.0, 1000.0), 1);
     }
 
     #[test]
@@ -285,7 +344,11 @@ mod tests {
             ..Default::default()
         };
         let r = run_speed(&opts);
-        assert_eq!(r.rows.len(), 1);
-        assert!(r.rows[0].scalar_ops_per_s > 0.0);
+        assert_eq!(r.rows.len(), 2, "RSA-2048 and ECDSA P-256");
+        assert!(r.rows[1].algorithm.starts_with("ECDSA-P256"));
+        for row in &r.rows {
+            assert!(row.scalar_ops_per_s > 0.0);
+            assert_eq!(row.ifma_ops_per_s.is_some(), crate::mb::backend() == Backend::Ifma);
+        }
     }
 }

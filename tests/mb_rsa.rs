@@ -341,6 +341,11 @@ fn mismatched_lengths_fail_clearly() {
     let k = keys_of(2048)[0];
     let out = RsaBatch::sign_with(Backend::Scalar, &[k, k], &[b"x"], Padding::Pkcs1Sha256);
     assert!(out.iter().all(|r| matches!(r, Err(MbError::InvalidInput(_)))));
+    let algs = [SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256];
+    let out = RsaBatch::sign_tls(&[k, k], &[b"x", b"y"], &algs);
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|r| matches!(r, Err(MbError::InvalidInput(_)))));
+    assert!(RsaBatch::sign(&[], &[], Padding::PssSha256).is_empty());
 }
 
 /// dudect-style timing check (reports, never asserts): Welch's t statistic between two input
@@ -417,4 +422,32 @@ fn dudect_timing_report() {
         let k: Vec<&RsaPrivateKey> = (0..8).map(|_| if c { ks[0] } else { ks[1] }).collect();
         (k, fixed.clone())
     });
+}
+
+#[test]
+fn fresh_keys_each_lane() {
+    if !ifma() {
+        return;
+    }
+    // Eight freshly generated keys, one per lane (fixtures cover 3072/4096 and repeated keys).
+    let ks: Vec<RsaPrivateKey> = (0..8)
+        .map(|_| RsaPrivateKey::from_boring(&boring::rsa::Rsa::generate(2048).unwrap()).unwrap())
+        .collect();
+    let refs: Vec<&RsaPrivateKey> = ks.iter().collect();
+    let mut rng = ChaCha20Rng::seed_from_u64(7);
+    for padding in [Padding::Pkcs1Sha256, Padding::Pkcs1Sha512] {
+        let msgs = random_msgs(&mut rng, 8);
+        let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
+        let out = RsaBatch::sign_with(Backend::Ifma, &refs, &m, padding);
+        for i in 0..8 {
+            assert_eq!(out[i].as_ref().unwrap(), &boring_sign(refs[i], m[i], padding), "lane {i}");
+        }
+    }
+}
+
+#[test]
+fn keys_are_shareable_across_signer_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<RsaPrivateKey>();
+    assert_send_sync::<Padding>();
 }

@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 
 pub mod p256;
 pub mod rsa;
+pub use rsa::{RsaBatch, RsaPrivateKey};
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
 

@@ -5,8 +5,9 @@
 //!
 //! Flush policy: an idle signer thread takes what is queued *now* — batches grow only under load,
 //! and a lone handshake waits for no timer. `max_wait` (default 0) lets operators trade latency
-//! for fuller batches. Batches of at most `scalar_below` requests go to the BoringSSL single-op
-//! path, which is faster than a multi-buffer pass for so few.
+//! for fuller batches. Batches of at most `scalar_below` requests (measured per class: 2 for RSA,
+//! 1 for ECDSA) go to the BoringSSL single-op path, which is faster than a multi-buffer pass for so
+//! few.
 //!
 //! Backpressure: the queues are bounded; a full signer answers at once with
 //! [`SignError::QueueFull`] (the handshake fails and the client retries) instead of letting
@@ -74,8 +75,9 @@ pub struct SignerConfig {
     pub max_wait: Duration,
     /// Bound on queued requests across all classes.
     pub queue_limit: usize,
-    /// Batches of at most this many requests use the single-op path.
-    pub scalar_below: usize,
+    /// Batches of at most this many requests use the single-op path; `None` = the measured
+    /// per-class defaults ([`default_scalar_below`]).
+    pub scalar_below: Option<usize>,
     /// Backend for eligible keys.
     #[serde(serialize_with = "ser_backend")]
     pub backend: Backend,
@@ -85,10 +87,18 @@ fn ser_backend<S: serde::Serializer>(b: &Backend, s: S) -> Result<S::Ok, S::Erro
     s.serialize_str(b.as_str())
 }
 
-/// Default for `scalar_below`, measured on an AVX-512 IFMA machine with `mbtunnel speed`
-/// (see the signer README section): one request alone is faster on BoringSSL single-op than
-/// in an 8-lane pass for every class; two or more are faster batched.
-pub const DEFAULT_SCALAR_BELOW: usize = 1;
+/// The largest batch that is faster on BoringSSL single-op than as one multi-buffer pass, per
+/// class — measured here (AMD Zen 4, one pinned core; `benches/README.md`): an 8-lane pass costs
+/// the same for 1 to 8 lanes. RSA-2048: pass ≈ 1.22 ms, single op ≈ 0.56 ms, so two singles
+/// (1.12 ms) still win and three (1.67 ms) lose; RSA-3072/4096 likewise cross between 2 and 3.
+/// ECDSA P-256: pass ≈ 28 µs, single ≈ 17.5 µs, so only a lone request is faster alone.
+pub fn default_scalar_below(class: KeyClass) -> usize {
+    match class {
+        KeyClass::Rsa2048 | KeyClass::Rsa3072 | KeyClass::Rsa4096 => 2,
+        KeyClass::EcdsaP256 => 1,
+        KeyClass::Other => usize::MAX,
+    }
+}
 
 impl Default for SignerConfig {
     fn default() -> Self {
@@ -96,13 +106,22 @@ impl Default for SignerConfig {
             threads: 0,
             max_wait: Duration::ZERO,
             queue_limit: 4096,
-            scalar_below: DEFAULT_SCALAR_BELOW,
+            scalar_below: None,
             backend: crate::mb::backend(),
         }
     }
 }
 
 impl SignerConfig {
+    /// The small-batch threshold in force for `class`.
+    pub fn scalar_below_for(&self, class: KeyClass) -> usize {
+        match (class, self.scalar_below) {
+            (KeyClass::Other, _) => usize::MAX,
+            (_, Some(k)) => k,
+            (c, None) => default_scalar_below(c),
+        }
+    }
+
     pub fn thread_count(&self) -> usize {
         if self.threads > 0 {
             self.threads
@@ -374,7 +393,7 @@ fn worker_loop(shared: &Shared) {
         }
         let single = class == KeyClass::Other
             || shared.cfg.backend == Backend::Scalar
-            || batch.len() <= shared.cfg.scalar_below;
+            || batch.len() <= shared.cfg.scalar_below_for(class);
         let backend = if single { Backend::Scalar } else { Backend::Ifma };
         let start = Instant::now();
         let fault = shared.inject_fault.swap(0, Ordering::SeqCst);

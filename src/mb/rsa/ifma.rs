@@ -170,7 +170,8 @@ macro_rules! pair_step {
 /// their position, high halves one limb up) and the window moves down one limb. Only the lowest
 /// limb's carry is made exact (it is what the next reduction factor needs); the other limbs
 /// absorb at most `4L` terms below 2^52 each, which fits the 12 spare bits for `L ≤ 80`. One
-/// carry propagation at the end.
+/// carry propagation at the end. Up to 20 limbs the window lives in registers; larger sizes use
+/// [`amm_mem`].
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn amm<const L: usize, const L2: usize>(
@@ -179,9 +180,9 @@ pub(crate) fn amm<const L: usize, const L2: usize>(
     m: &N52x8<L>,
     k0: U64x8,
 ) -> N52x8<L> {
-    if L >= 40 {
-        // The register window spills badly this large; passes of four rows measured faster.
-        return amm_passes::<L, L2>(a, b, m, k0);
+    if L > 20 {
+        // Beyond 20 limbs the register window spills; the memory-window form measured faster.
+        return amm_mem::<L, L2>(a, b, m, k0);
     }
     let z = U64x8::zero();
     let mut bx = [z; L2];
@@ -194,66 +195,108 @@ pub(crate) fn amm<const L: usize, const L2: usize>(
     acc
 }
 
-/// `R` rows of operand scanning in one pass over the rolling window `win` (kept in memory):
-/// row `r` adds `x[r]·d[r] + u[r]·m` at window offset `r`, then the window moves down `R`
-/// limbs. The `R` reduction factors come from a small head (positions `0..R`, sequential);
-/// every other position then takes `4R` IFMA (two chains: operand terms and reduction terms)
-/// for one window load and store, so window traffic is `1/(4R)` of the IFMA count whatever
-/// `L`. `d[r]` and `m` are zero-padded to at least `L + R` digits. Operand terms below window
-/// position `xstart` are known zero and skipped.
+/// The two-row step of [`pair_step!`] with the window kept in memory and a runtime limb loop:
+/// each position costs one load and one store for eight IFMA, and the operand digits slide
+/// through registers (three new loads per position). For windows too large for the register
+/// file (`L ≥ 40`). Operand digits below the block start `s` are zero and skipped where a whole
+/// position has none.
 #[inline]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-fn rows_pass<const L: usize, const R: usize>(
-    win: &mut N52x8<L>,
-    x: &[U64x8; R],
-    d: &[&[U64x8]; R],
-    m: &[U64x8],
+#[allow(clippy::too_many_arguments)]
+fn pair_step_mem<const L: usize>(
+    acc: &mut N52x8<L>,
+    a0: U64x8,
+    a1: U64x8,
+    ba: &[U64x8],
+    bb: &[U64x8],
+    m: &N52x8<L>,
     k0: U64x8,
-    xstart: usize,
+    s: usize,
 ) {
     let z = U64x8::zero();
-    let mut u = [z; R];
-    let mut carry = z;
-    for q in 0..R {
-        let mut v = win[q].add(carry);
-        for r in 0..q {
-            v = v
-                .madd52lo(x[r], d[r][q - r])
-                .madd52hi(x[r], d[r][q - r - 1])
-                .madd52lo(u[r], m[q - r])
-                .madd52hi(u[r], m[q - r - 1]);
-        }
-        v = v.madd52lo(x[q], d[q][0]);
-        u[q] = z.madd52lo(v, k0);
-        carry = v.madd52lo(u[q], m[0]).shr::<52>();
+    let t0 = acc[0].madd52lo(a0, ba[0]);
+    let ua = z.madd52lo(t0, k0);
+    let ca = t0.madd52lo(ua, m[0]).shr::<52>();
+    let t1 = acc[1]
+        .madd52lo(a0, ba[1])
+        .madd52hi(a0, ba[0])
+        .madd52lo(a1, bb[0])
+        .madd52lo(ua, m[1])
+        .madd52hi(ua, m[0])
+        .add(ca);
+    let ub = z.madd52lo(t1, k0);
+    let cb = t1.madd52lo(ub, m[0]).shr::<52>();
+    let x0 = s.clamp(2, L);
+    for p in 2..x0 {
+        let v = acc[p].madd52lo(ua, m[p]).madd52hi(ua, m[p - 1]);
+        acc[p - 2] = v.madd52lo(ub, m[p - 1]).madd52hi(ub, m[p - 2]);
     }
-    let split = xstart.clamp(R, L + R);
-    for q in R..split {
-        let mut v = if q < L { win[q] } else { z };
-        let mut w = z;
-        for r in 0..R {
-            v = v.madd52lo(u[r], m[q - r]);
-            w = w.madd52hi(u[r], m[q - r - 1]);
-        }
-        win[q - R] = v.add(w);
+    let (mut ba1, mut bb2, mut m1, mut m2) = (ba[x0 - 1], bb[x0 - 2], m[x0 - 1], m[x0 - 2]);
+    for p in x0..L {
+        let (bap, bb1, mp) = (ba[p], bb[p - 1], m[p]);
+        let v = acc[p].madd52lo(a0, bap).madd52hi(a0, ba1).madd52lo(a1, bb1).madd52hi(a1, bb2);
+        let w = z.madd52lo(ua, mp).madd52hi(ua, m1).madd52lo(ub, m1).madd52hi(ub, m2);
+        acc[p - 2] = v.add(w);
+        ba1 = bap;
+        bb2 = bb1;
+        m2 = m1;
+        m1 = mp;
     }
-    for q in split..L + R {
-        let mut v = if q < L { win[q] } else { z };
-        let mut w = z;
-        for r in 0..R {
-            v = v.madd52lo(x[r], d[r][q - r]).madd52hi(x[r], d[r][q - r - 1]);
-            w = w.madd52lo(u[r], m[q - r]).madd52hi(u[r], m[q - r - 1]);
-        }
-        win[q - R] = v.add(w);
-    }
-    win[0] = win[0].add(carry);
+    acc[L - 2] = z
+        .madd52lo(a0, ba[L])
+        .madd52hi(a0, ba[L - 1])
+        .madd52lo(a1, bb[L - 1])
+        .madd52hi(a1, bb[L - 2])
+        .madd52hi(ua, m[L - 1])
+        .madd52lo(ub, m[L - 1])
+        .madd52hi(ub, m[L - 2]);
+    acc[L - 1] = z.madd52lo(a1, bb[L]).madd52hi(a1, bb[L - 1]).madd52hi(ub, m[L - 1]);
+    acc[0] = acc[0].add(cb);
 }
 
-/// AMM by passes of four rows (two for the last pass when `L` is not a multiple of four); same
-/// contract as [`amm`], which uses it for `L ≥ 40`. `L2 = 2·L`.
+/// Squaring with [`pair_step_mem`] (same row operands as [`amsqr`]). `L2 = 2·L`.
 #[inline(never)]
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) fn amm_passes<const L: usize, const L2: usize>(
+pub(crate) fn amsqr_mem<const L: usize, const L2: usize>(
+    a: &N52x8<L>,
+    m: &N52x8<L>,
+    k0: U64x8,
+) -> N52x8<L> {
+    let z = U64x8::zero();
+    let mask = U64x8::splat(MASK52);
+    let mut ba = [z; L2];
+    ba[0] = a[0].shl::<1>().and(mask);
+    for j in 1..L {
+        ba[j] = a[j].shl::<1>().and(mask).add(a[j - 1].shr::<51>());
+    }
+    ba[L] = a[L - 1].shr::<51>();
+    let mut bb = ba;
+    let mut acc = [z; L];
+    for k in 0..8 {
+        let s = (k * L / 8) & !1;
+        let e = if k == 7 { L } else { ((k + 1) * L / 8) & !1 };
+        for i in (s..e).step_by(2) {
+            if i >= 2 {
+                ba[i - 2] = z;
+                ba[i - 1] = z;
+                bb[i - 1] = z;
+            }
+            ba[i] = a[i];
+            ba[i + 1] = a[i + 1].shl::<1>().and(mask);
+            bb[i] = z;
+            bb[i + 1] = a[i + 1];
+            bb[i + 2] = if i + 2 < L { a[i + 2].shl::<1>().and(mask) } else { z };
+            pair_step_mem(&mut acc, a[i], a[i + 1], &ba, &bb, m, k0, s);
+        }
+    }
+    normalize(&mut acc);
+    acc
+}
+
+/// AMM with [`pair_step_mem`]. `L2 = 2·L`.
+#[inline(never)]
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+pub(crate) fn amm_mem<const L: usize, const L2: usize>(
     a: &N52x8<L>,
     b: &N52x8<L>,
     m: &N52x8<L>,
@@ -262,20 +305,12 @@ pub(crate) fn amm_passes<const L: usize, const L2: usize>(
     let z = U64x8::zero();
     let mut bx = [z; L2];
     bx[..L].copy_from_slice(b);
-    let mut mx = [z; L2];
-    mx[..L].copy_from_slice(m);
-    let mut win = [z; L];
-    let mut i = 0;
-    while i + 4 <= L {
-        let x = [a[i], a[i + 1], a[i + 2], a[i + 3]];
-        rows_pass::<L, 4>(&mut win, &x, &[&bx, &bx, &bx, &bx], &mx, k0, 0);
-        i += 4;
+    let mut acc = [z; L];
+    for i in (0..L).step_by(2) {
+        pair_step_mem(&mut acc, a[i], a[i + 1], &bx, &bx, m, k0, 0);
     }
-    if i < L {
-        rows_pass::<L, 2>(&mut win, &[a[i], a[i + 1]], &[&bx, &bx], &mx, k0, 0);
-    }
-    normalize(&mut win);
-    win
+    normalize(&mut acc);
+    acc
 }
 
 /// Montgomery reduction of a `2L`-limb loose value `t < m·R`: returns `t·R⁻¹ mod m`, below 2m,
@@ -319,6 +354,10 @@ pub(crate) fn amsqr<const L: usize, const L2: usize>(
     if L <= 20 {
         // Small enough for a single-row window in registers, which measured faster.
         return amsqr_rows::<L, L2>(a, m, k0);
+    }
+    if L >= 40 {
+        // The register window spills badly this large; the memory-window form measured faster.
+        return amsqr_mem::<L, L2>(a, m, k0);
     }
     let z = U64x8::zero();
     let mask = U64x8::splat(MASK52);
@@ -757,8 +796,8 @@ mod tests {
             let (va, vb, vm, k0) = (pack::<L>(&a), pack::<L>(&b), pack::<L>(&ms), k0s(&ms));
             let prod = unpack(&unsafe { amm::<L, L2>(&va, &vb, &vm, k0) });
             let sq = unpack(&unsafe { amsqr::<L, L2>(&va, &vm, k0) });
-            let prod2 = unpack(&unsafe { amm_passes::<L, L2>(&va, &vb, &vm, k0) });
-            assert_eq!(prod, prod2, "amm_passes");
+            assert_eq!(prod, unpack(&unsafe { amm_mem::<L, L2>(&va, &vb, &vm, k0) }), "amm_mem");
+            assert_eq!(sq, unpack(&unsafe { amsqr_mem::<L, L2>(&va, &vm, k0) }), "amsqr_mem");
             let red = unpack(&unsafe { reduce_once(&amm::<L, L2>(&va, &vb, &vm, k0), &vm) });
             for i in 0..8 {
                 let m = &ms[i];
@@ -784,29 +823,76 @@ mod tests {
     #[test]
     fn montgomery_ops_20() {
         if have_ifma() {
-            mont_ops::<20, 40>(1024, 150, 20);
-            mont_ops::<20, 40>(1000, 50, 21);
+            mont_ops::<20, 40>(1024, 600, 20);
+            mont_ops::<20, 40>(1000, 200, 21);
         }
     }
 
     #[test]
     fn montgomery_ops_30() {
         if have_ifma() {
-            mont_ops::<30, 60>(1536, 100, 30);
+            mont_ops::<30, 60>(1536, 300, 30);
         }
     }
 
     #[test]
     fn montgomery_ops_40() {
         if have_ifma() {
-            mont_ops::<40, 80>(2048, 80, 40);
+            mont_ops::<40, 80>(2048, 200, 40);
         }
     }
 
     #[test]
     fn montgomery_ops_80() {
         if have_ifma() {
-            mont_ops::<80, 160>(4096, 20, 80);
+            mont_ops::<80, 160>(4096, 40, 80);
+        }
+    }
+
+    /// REDC of a double-width value, the plain product and the masked lookup, lane-distinct.
+    fn redc_mul_lookup<const L: usize, const L2: usize>(bits: usize, cases: usize, seed: u64) {
+        let mut rng = ChaCha20Rng::seed_from_u64(seed);
+        let mut ctx = BigNumContext::new().unwrap();
+        for _ in 0..cases {
+            let ms: Vec<BigNum> = (0..8).map(|_| rand_mod(&mut rng, bits)).collect();
+            let k0 = k0s(&ms);
+            let vm = pack::<L>(&ms);
+            // t < m·R: a random value of bits + 52L − 1 bits
+            let ts: Vec<BigNum> = (0..8).map(|_| rand_bn(&mut rng, bits + 52 * L - 1)).collect();
+            let mut vt = pack::<L2>(&ts);
+            let red = unpack(&unsafe { redc::<L, L2>(&mut vt, &vm, k0) });
+            let a: Vec<BigNum> = ms.iter().map(|m| below(&mut rng, m)).collect();
+            let b: Vec<BigNum> = (0..8).map(|_| rand_bn(&mut rng, 52 * L)).collect();
+            let wide = unpack(&unsafe { mul_wide::<L, L2>(&pack::<L>(&a), &pack::<L>(&b)) });
+            for i in 0..8 {
+                let r = r_mod(52 * L, &ms[i]);
+                assert!(eq_mod(&modmul(&red[i], &r, &ms[i]), &ts[i], &ms[i]), "redc lane {i}");
+                let mut prod = BigNum::new().unwrap();
+                prod.checked_mul(&a[i], &b[i], &mut ctx).unwrap();
+                assert_eq!(wide[i], prod, "mul_wide lane {i}");
+            }
+            // lookup: 16 random entries, a random index per lane
+            let table: Vec<N52x8<L>> = (0..16)
+                .map(|_| {
+                    let e: Vec<BigNum> = (0..8).map(|_| rand_bn(&mut rng, 52 * L)).collect();
+                    pack::<L>(&e)
+                })
+                .collect();
+            let idx: [u64; 8] = core::array::from_fn(|_| rng.gen_range(0..16));
+            let got = unsafe { scatter(&lookup(&table, U64x8::from_array(idx))) };
+            for i in 0..8 {
+                let want = unsafe { scatter(&table[idx[i] as usize]) };
+                assert_eq!(got[i], want[i], "lookup lane {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn redc_mul_wide_lookup() {
+        if have_ifma() {
+            redc_mul_lookup::<20, 40>(1024, 200, 60);
+            redc_mul_lookup::<30, 60>(1536, 100, 61);
+            redc_mul_lookup::<40, 80>(2048, 100, 62);
         }
     }
 
@@ -884,7 +970,8 @@ mod tests {
             let a: Vec<BigNum> = ms.iter().map(|m| below(&mut rng, m)).collect();
             let (mut va, vm, k0) = (pack::<L>(&a), pack::<L>(&ms), k0s(&ms));
             let n = 2000;
-            let (mut tm, mut ts, mut tm2) = (f64::MAX, f64::MAX, f64::MAX);
+            let (mut tm, mut ts) = (f64::MAX, f64::MAX);
+            let (mut tm3, mut ts3) = (f64::MAX, f64::MAX);
             for _ in 0..15 {
                 let s = std::time::Instant::now();
                 for _ in 0..n {
@@ -898,29 +985,39 @@ mod tests {
                 ts = ts.min(s.elapsed().as_secs_f64() / n as f64 * 1e6);
                 let s = std::time::Instant::now();
                 for _ in 0..n {
-                    va = unsafe { amm_passes::<L, L2>(&va, &va, &vm, k0) };
+                    va = unsafe { amm_mem::<L, L2>(&va, &va, &vm, k0) };
                 }
-                tm2 = tm2.min(s.elapsed().as_secs_f64() / n as f64 * 1e6);
+                tm3 = tm3.min(s.elapsed().as_secs_f64() / n as f64 * 1e6);
+                let s = std::time::Instant::now();
+                for _ in 0..n {
+                    va = unsafe { amsqr_mem::<L, L2>(&va, &vm, k0) };
+                }
+                ts3 = ts3.min(s.elapsed().as_secs_f64() / n as f64 * 1e6);
             }
             let gm = 4.0 * (L * L) as f64 / tm / 1e3;
-            eprintln!("L={L}: amm {tm:.3} us ({gm:.2} G IFMA/s), amsqr {ts:.3} us; amm_passes {tm2:.3} us");
+            eprintln!("L={L}: amm {tm:.3} us ({gm:.2} G IFMA/s), amsqr {ts:.3} us; memory-window forms: amm {tm3:.3} us, amsqr {ts3:.3} us");
         }
-        // raw IFMA throughput: 16 independent accumulators
-        let s = std::time::Instant::now();
+        // Raw IFMA throughput: 24 independent accumulators, best of 20 runs (the ceiling the
+        // kernels are compared with).
         let n = 2_000_000u64;
         #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
         fn raw(n: u64) -> u64 {
-            let x = U64x8::splat(12345);
-            let mut acc = [U64x8::zero(); 16];
+            let x = std::hint::black_box(U64x8::splat(12345));
+            let y = std::hint::black_box(U64x8::splat(777));
+            let mut acc = [U64x8::zero(); 24];
             for _ in 0..n {
                 for a in acc.iter_mut() {
-                    *a = a.madd52lo(x, *a);
+                    *a = a.madd52lo(x, y);
                 }
             }
             acc.iter().fold(U64x8::zero(), |s, a| s.add(*a)).to_array()[0]
         }
-        let r = unsafe { raw(n) };
-        let g = (16 * n) as f64 / s.elapsed().as_secs_f64() / 1e9;
+        let (mut g, mut r) = (0f64, 0);
+        for _ in 0..20 {
+            let s = std::time::Instant::now();
+            r = unsafe { raw(n / 10) };
+            g = g.max((24 * n / 10) as f64 / s.elapsed().as_secs_f64() / 1e9);
+        }
         eprintln!("raw IFMA throughput: {g:.2} G/s ({r})");
         t::<20, 40>(1024);
         t::<30, 60>(1536);

@@ -96,23 +96,27 @@ impl fmt::Debug for RsaPrivateKey {
     }
 }
 
-fn bn_limbs52(x: &BigNumRef, limbs: usize) -> Vec<u64> {
+/// `x` as `limbs` 52-bit limbs (fixed width, so the length does not depend on the value).
+fn bn_limbs52(x: &BigNumRef, limbs: usize) -> Result<Vec<u64>, MbError> {
     let mut out = vec![0u64; limbs];
-    bytes_to_limbs52(&x.to_vec(), &mut out);
-    out
+    bytes_to_limbs52(&x.to_vec_padded((52 * limbs).div_ceil(8))?, &mut out);
+    Ok(out)
 }
 
-fn bn_words64(x: &BigNumRef) -> Vec<u64> {
-    let be = x.to_vec();
-    let mut out = vec![0u64; be.len().div_ceil(8).max(1)];
+/// `x` as `words` little-endian 64-bit words (fixed width).
+fn bn_words64(x: &BigNumRef, words: usize) -> Result<Vec<u64>, MbError> {
+    let be = x.to_vec_padded(8 * words)?;
+    let mut out = vec![0u64; words];
     for (k, &b) in be.iter().rev().enumerate() {
         out[k / 8] |= (b as u64) << (8 * (k % 8));
     }
-    out
+    Ok(out)
 }
 
+/// The lowest 64 bits of `x` (odd moduli and the public exponent here).
 fn low_word(x: &BigNumRef) -> u64 {
-    bn_words64(x)[0]
+    let be = x.to_vec();
+    be.iter().rev().take(8).enumerate().fold(0, |acc, (k, &b)| acc | (b as u64) << (8 * k))
 }
 
 /// 2^bits mod m.
@@ -268,25 +272,21 @@ fn precompute(rsa: &Rsa<Private>, bits: usize) -> Result<Result<Precomp, String>
     qinv_r_bn.lshift(qinv, r_bits as i32)?;
     let mut qinv_r = BigNum::new()?;
     qinv_r.nnmod(&qinv_r_bn, p, &mut ctx)?;
-    let mut dpw = bn_words64(dp);
-    let mut dqw = bn_words64(dq);
     let words = half.div_ceil(64);
-    dpw.resize(words, 0);
-    dqw.resize(words, 0);
     Ok(Ok(Precomp {
         l,
-        p: bn_limbs52(p, l),
-        q: bn_limbs52(q, l),
+        p: bn_limbs52(p, l)?,
+        q: bn_limbs52(q, l)?,
         p_k0: ifma_k0(low_word(p)),
         q_k0: ifma_k0(low_word(q)),
-        p_r2: bn_limbs52(&*pow2_mod(2 * r_bits, p, &mut ctx)?, l),
-        q_r2: bn_limbs52(&*pow2_mod(2 * r_bits, q, &mut ctx)?, l),
-        qinv_r: bn_limbs52(&qinv_r, l),
-        dp: dpw,
-        dq: dqw,
-        n: bn_limbs52(rsa.n(), 2 * l),
+        p_r2: bn_limbs52(&*pow2_mod(2 * r_bits, p, &mut ctx)?, l)?,
+        q_r2: bn_limbs52(&*pow2_mod(2 * r_bits, q, &mut ctx)?, l)?,
+        qinv_r: bn_limbs52(&qinv_r, l)?,
+        dp: bn_words64(dp, words)?,
+        dq: bn_words64(dq, words)?,
+        n: bn_limbs52(rsa.n(), 2 * l)?,
         n_k0: ifma_k0(low_word(rsa.n())),
-        n_r2: bn_limbs52(&*pow2_mod(4 * r_bits, rsa.n(), &mut ctx)?, 2 * l),
+        n_r2: bn_limbs52(&*pow2_mod(4 * r_bits, rsa.n(), &mut ctx)?, 2 * l)?,
     }))
 }
 
@@ -386,6 +386,15 @@ impl RsaBatch {
         msgs: &[&[u8]],
         algs: &[SslSignatureAlgorithm],
     ) -> Vec<Result<Vec<u8>, MbError>> {
+        if keys.len() != msgs.len() || keys.len() != algs.len() {
+            let e = MbError::InvalidInput(format!(
+                "{} keys, {} messages, {} algorithms: lengths must match",
+                keys.len(),
+                msgs.len(),
+                algs.len()
+            ));
+            return vec![Err(e); keys.len().max(msgs.len()).max(algs.len())];
+        }
         let pads: Vec<Option<Padding>> =
             algs.iter().map(|&a| Padding::from_ssl_algorithm(a)).collect();
         let ok: Vec<usize> = (0..pads.len()).filter(|&i| pads[i].is_some()).collect();
