@@ -15,9 +15,8 @@ KV_VERSION=1.37.0
 K8S_VERSIONS=${K8S_VERSIONS:-"1.29.0 1.37.0"}
 VENV=${VALIDATE_VENV:-$PWD/target/validate-deploy-venv}
 # Env vars the binary reads but `run --help` does not list (tests/deploy.rs checks them against
-# mbtunnel::config::env). MBTUNNEL_SIGNER_THREADS: the signer's thread count, read by
-# Config::apply_env; drop it here once `run --help` documents it.
-RESERVED_ENV="MBTUNNEL_SIGNER_THREADS"
+# mbtunnel::config::env). None today: every one is documented in `run --help`.
+RESERVED_ENV=""
 
 if ! "$VENV/bin/kubernetes-validate" --version 2>/dev/null | grep -q "$KV_VERSION"; then
   echo "validate-deploy: installing kubernetes-validate $KV_VERSION into $VENV"

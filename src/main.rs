@@ -72,6 +72,9 @@ struct RunArgs {
     /// [env: MBTUNNEL_SIGNER_BACKEND]
     #[arg(long)]
     signer_backend: Option<String>,
+    /// Signer threads (0 = one per CPU of the quota). [env: MBTUNNEL_SIGNER_THREADS]
+    #[arg(long)]
+    signer_threads: Option<usize>,
     /// Log format: text or json. [env: MBTUNNEL_LOG_FORMAT]
     #[arg(long)]
     log_format: Option<String>,
@@ -166,6 +169,9 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     }
     if let Some(v) = &a.signer_backend {
         cfg.signer_backend = v.clone();
+    }
+    if let Some(v) = a.signer_threads {
+        cfg.signer_threads = v;
     }
     if let Some(v) = &a.log_format {
         cfg.log_format = match v.as_str() {

@@ -147,6 +147,11 @@ impl DevCa {
     /// against several proxies starting at once on the same directory (a lock file serialises
     /// creation).
     pub fn load_or_create(dir: &Path, trust_domain: &str) -> Result<DevCa, CaError> {
+        let (cert_path, key_path) = (dir.join(ROOT_CERT_FILE), dir.join(ROOT_KEY_FILE));
+        if cert_path.exists() && key_path.exists() {
+            // An existing root (possibly a read-only mount, e.g. a Kubernetes Secret): no lock.
+            return Self::load(&cert_path, &key_path);
+        }
         fs::create_dir_all(dir).map_err(io_err(dir))?;
         let lock_path = dir.join(".lock");
         let lock = fs::OpenOptions::new()
@@ -156,8 +161,6 @@ impl DevCa {
             .open(&lock_path)
             .map_err(io_err(&lock_path))?;
         lock.lock().map_err(io_err(&lock_path))?;
-        let cert_path = dir.join(ROOT_CERT_FILE);
-        let key_path = dir.join(ROOT_KEY_FILE);
         if !cert_path.exists() && !key_path.exists() {
             Self::create_root(dir, trust_domain)?;
         }
