@@ -43,6 +43,18 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Bench),
+    /// Install or remove in-pod redirect rules in a pod's network namespace (what istio-cni does):
+    /// outbound TCP → 15001, inbound → 15006 (15008 untouched), mark 0x539 skipped, connmark
+    /// 0x111 + table 100 for replies.
+    Redirect {
+        /// iptables (default in istio-cni) or nftables.
+        backend: mbtunnel::redirect::Backend,
+        /// apply or remove.
+        action: RedirectAction,
+        /// The namespace: /var/run/netns/NAME or /proc/PID/ns/net.
+        #[arg(long)]
+        netns: PathBuf,
+    },
     /// Test helpers used by the demo: an echo server and a client.
     #[command(hide = true, subcommand)]
     Tool(Tool),
@@ -78,6 +90,12 @@ struct RunArgs {
     /// Log filter, e.g. info or mbtunnel=debug. [env: RUST_LOG]
     #[arg(long)]
     log_level: Option<String>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RedirectAction {
+    Apply,
+    Remove,
 }
 
 #[derive(Subcommand)]
@@ -289,6 +307,13 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 print!("{r}");
+            }
+            Ok(())
+        }
+        Cmd::Redirect { backend, action, netns } => {
+            match action {
+                RedirectAction::Apply => mbtunnel::redirect::apply(backend, &netns)?,
+                RedirectAction::Remove => mbtunnel::redirect::remove(backend, &netns)?,
             }
             Ok(())
         }

@@ -12,11 +12,19 @@ use super::{copy_both, ConnRecord, Ctx};
 use crate::config::Protocol;
 use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey};
+use crate::inpod::netns::Netns;
 use crate::metrics::{Reporter, SecurityPolicy};
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
+/// `netns`: the pod whose listener accepted (in-pod mode); sockets toward the network are opened
+/// there so they leave with the pod's address.
+pub async fn handle(
+    ctx: Arc<Ctx>,
+    mut client: TcpStream,
+    peer: SocketAddr,
+    netns: Option<Arc<Netns>>,
+) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let redirected = original_dst(&client);
     let dst = match redirected.or_else(|| client.local_addr().ok()) {
@@ -60,7 +68,9 @@ pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
                 "unknown".into(),
                 SecurityPolicy::unknown,
             );
-            match dial(dst, DialOpts { mark: ctx.mark, source: None }).await {
+            match dial(dst, DialOpts { mark: ctx.mark, source: None, netns: netns.as_deref() })
+                .await
+            {
                 Ok(mut up) => {
                     let (rx, tx, r) = copy_both(&mut client, &mut up).await;
                     rec.close(rx, tx, r);
@@ -93,7 +103,12 @@ pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
         );
         match upstream.protocol {
             Protocol::Tcp => {
-                match dial(upstream.target, DialOpts { mark: ctx.mark, source: None }).await {
+                match dial(
+                    upstream.target,
+                    DialOpts { mark: ctx.mark, source: None, netns: netns.as_deref() },
+                )
+                .await
+                {
                     Ok(mut up) => {
                         let (rx, tx, r) = copy_both(&mut client, &mut up).await;
                         rec.close(rx, tx, r);
@@ -110,7 +125,7 @@ pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
                         src_wl.namespace, src_wl.name, src_wl.name
                     ),
                 };
-                match ctx.pool.tunnel(&key, upstream.target, &headers).await {
+                match ctx.pool.tunnel(&key, upstream.target, &headers, netns.as_deref()).await {
                     Ok(tunnel) => {
                         let mut tunnel = hyper_util::rt::TokioIo::new(tunnel);
                         let (rx, tx, r) = copy_both(&mut client, &mut tunnel).await;
