@@ -136,6 +136,64 @@ enum Tool {
         #[arg(long, default_value_t = 1 << 20)]
         bytes: usize,
     },
+    /// A minimal stand-in for istio-cni's node agent: serves ZDS on `--socket`, installs the
+    /// redirect rules in each pod's namespace, and enrols the pods (replayed on every reconnect,
+    /// then SnapshotSent). Prints one JSON line per ack.
+    Cni {
+        #[arg(long)]
+        socket: PathBuf,
+        /// uid=NETNS_PATH, e.g. client-1=/var/run/netns/pod-a (repeatable).
+        #[arg(long = "pod", value_parser = parse_pod)]
+        pods: Vec<(String, PathBuf)>,
+        #[arg(long, default_value = "iptables")]
+        redirect: mbtunnel::redirect::Backend,
+    },
+}
+
+fn parse_pod(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((uid, path)) if !uid.is_empty() && !path.is_empty() => Ok((uid.into(), path.into())),
+        _ => Err(format!("'{s}' is not uid=/path/to/netns")),
+    }
+}
+
+async fn fake_cni(
+    socket: PathBuf,
+    pods: Vec<(String, PathBuf)>,
+    backend: mbtunnel::redirect::Backend,
+) -> anyhow::Result<()> {
+    use mbtunnel::inpod::uds::SeqPacketListener;
+    use mbtunnel::inpod::zds::{ResponsePayload, WorkloadRequest, WorkloadResponse};
+    use prost::Message;
+    for (uid, path) in &pods {
+        mbtunnel::redirect::apply(backend, path)
+            .with_context(|| format!("redirect rules for pod {uid}"))?;
+    }
+    let l =
+        SeqPacketListener::bind(&socket).with_context(|| format!("bind {}", socket.display()))?;
+    loop {
+        let conn = l.accept().await?;
+        let _hello = conn.recv().await?;
+        let mut reqs: Vec<(String, WorkloadRequest, Option<std::os::fd::OwnedFd>)> = Vec::new();
+        for (uid, path) in &pods {
+            let fd = mbtunnel::inpod::netns::open(path)
+                .with_context(|| format!("open {}", path.display()))?;
+            reqs.push((format!("add {uid}"), WorkloadRequest::add(uid, None), Some(fd)));
+        }
+        reqs.push(("snapshot".into(), WorkloadRequest::snapshot_sent(), None));
+        for (what, req, fd) in reqs {
+            let fds: Vec<_> = fd.as_ref().map(std::os::fd::AsFd::as_fd).into_iter().collect();
+            conn.send(&req.encode_to_vec(), &fds).await?;
+            let Some(p) = conn.recv().await? else { break };
+            let err = match WorkloadResponse::decode(&p.data[..]).map(|r| r.payload) {
+                Ok(Some(ResponsePayload::Ack(a))) => a.error,
+                _ => "malformed response".into(),
+            };
+            println!("{}", serde_json::json!({"request": what, "error": err}));
+        }
+        // Hold the connection until the proxy goes; then wait for it to come back.
+        while conn.recv().await?.is_some() {}
+    }
 }
 
 type FilterHandle = reload::Handle<EnvFilter, tracing_subscriber::Registry>;
@@ -232,6 +290,7 @@ async fn tool(t: Tool) -> anyhow::Result<()> {
                 });
             }
         }
+        Tool::Cni { socket, pods, redirect } => fake_cni(socket, pods, redirect).await,
         Tool::Send { connect, bind, bytes } => {
             let sock = if connect.is_ipv4() {
                 tokio::net::TcpSocket::new_v4()?

@@ -429,6 +429,21 @@ fn malformed_zds_messages_are_nacked_and_the_proxy_keeps_serving() {
     assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
     snapshot(&c.cni1);
     round_trip(connect_from(&client, sa(echo.v4, 8080)).unwrap(), 1000);
+
+    // The app dialling the proxy's own outbound port directly is a loop: closed, counted.
+    let mut s = connect_from(&client, "127.0.0.1:15001".parse().unwrap()).unwrap();
+    let mut b = Vec::new();
+    let _ = s.read_to_end(&mut b);
+    assert!(b.is_empty());
+    wait("loop refusal counted", || {
+        metric(&c.n1.metrics(), "mbtunnel_connections_refused_total", &["loop"]) == Some(1.0)
+    });
+    // A tunnel asking for the destination pod's own HBONE port is refused by its proxy.
+    let mut s = connect_from(&client, sa(echo.v4, 15008)).unwrap();
+    let _ = s.read_to_end(&mut b);
+    wait("CONNECT to a proxy port refused", || {
+        metric(&c.n2.metrics(), "mbtunnel_connections_refused_total", &["loop"]) == Some(1.0)
+    });
 }
 
 #[test]

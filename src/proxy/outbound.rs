@@ -46,7 +46,13 @@ pub async fn handle(
             .own_addrs
             .iter()
             .any(|a| *a == dst || (a.ip().is_unspecified() && a.port() == dst.port()));
-        if is_own && (redirected.is_some() || upstream.is_none()) {
+        // In a pod, a connection that reached 15001 without being redirected was dialled to the
+        // proxy's port itself (e.g. 127.0.0.1:15001): passing it through would dial it again.
+        // (Conntrack answers SO_ORIGINAL_DST for any tracked connection: "not redirected" is an
+        // original destination equal to the local address.)
+        let direct_in_pod =
+            netns.is_some() && redirected.is_none_or(|r| Some(r) == client.local_addr().ok());
+        if direct_in_pod || (is_own && (redirected.is_some() || upstream.is_none())) {
             ctx.metrics.refuse("loop");
             tracing::warn!("refused: connection to the proxy's own listener would loop");
             return;
