@@ -476,5 +476,16 @@ nodes:
         );
         let e = c.apply_env(|k| (k == env::LOG_FORMAT).then(|| "xml".into())).unwrap_err();
         assert!(e.to_string().contains("xml"));
+        let mut c = Config::default();
+        assert!(!c.inpod_enabled);
+        c.apply_env(|k| match k {
+            env::INPOD_ENABLED => Some("true".into()),
+            env::INPOD_UDS => Some("/tmp/zds.sock".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert!(c.inpod_enabled && c.inpod_socket == Path::new("/tmp/zds.sock"));
+        let e = c.apply_env(|k| (k == env::INPOD_ENABLED).then(|| "maybe".into())).unwrap_err();
+        assert!(e.to_string().contains("INPOD_ENABLED"), "{e}");
     }
 }

@@ -199,4 +199,21 @@ nodes:
         assert_eq!(c.hbone_addr, "10.0.1.2:15008".parse().unwrap(), "default: workload ip:15008");
         assert_eq!(s.local_workloads().count(), 1);
     }
+
+    #[test]
+    fn inpod_serves_enrolled_pods_only() {
+        let cfg = Config::from_yaml(
+            "node_name: a\ninpod_enabled: true\nworkloads:\n  - {uid: c, name: client, ips: [10.0.1.2], node: a}\n",
+            Path::new("t"),
+        )
+        .unwrap();
+        let s = State::new(&cfg);
+        let ip = "10.0.1.2".parse().unwrap();
+        assert!(s.local_workload_by_ip(ip).is_none(), "node match alone is not enough in-pod");
+        s.set_enrolled("c", true);
+        assert_eq!(s.local_workload_by_ip(ip).unwrap().name, "client");
+        assert_eq!(s.local_workloads().count(), 1);
+        s.set_enrolled("c", false);
+        assert!(s.local_workload_by_ip(ip).is_none());
+    }
 }

@@ -486,3 +486,41 @@ fn pod_outside_the_mesh_talks_plaintext_and_is_not_intercepted() {
     // Node 1's proxy saw none of it.
     assert_eq!(metric(&c.n1.metrics(), "istio_tcp_connections_opened_total", &[]), None);
 }
+
+/// No namespaces needed: readiness waits for the CNI, and the proxy keeps retrying its socket
+/// (with backoff) until the CNI appears, and again after the CNI goes away.
+#[test]
+fn not_ready_until_the_cni_answers_and_reconnects_after_it_restarts() {
+    let dir = temp_dir("inpod-ready");
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("cni.sock");
+    let mut cfg = mesh_yaml(1, &dir.join("ca"), &sock);
+    for a in [
+        &mut cfg.outbound_addr,
+        &mut cfg.inbound_addr,
+        &mut cfg.inbound_plaintext_addr,
+        &mut cfg.metrics_addr,
+        &mut cfg.readiness_addr,
+        &mut cfg.admin_addr,
+    ] {
+        *a = "127.0.0.1:0".parse().unwrap();
+    }
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let running = rt.block_on(mbtunnel::app::start(cfg, None)).expect("start");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!running.is_ready(), "no CNI yet: not ready");
+    let mut cni = Cni::new(sock.clone());
+    cni.accept();
+    assert!(!running.is_ready(), "connected, snapshot not applied yet");
+    snapshot(&cni);
+    assert!(running.is_ready());
+    // The CNI restarts; the proxy reconnects and says hello again.
+    drop(cni);
+    let mut cni = Cni::new(sock);
+    cni.accept();
+    snapshot(&cni);
+    assert!(running.is_ready());
+    rt.block_on(running.shutdown());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -55,7 +55,7 @@ pub fn skip_reason() -> Option<String> {
 macro_rules! require_netns {
     () => {
         if let Some(why) = common::netns::skip_reason() {
-            eprintln!("SKIPPED {}: {why}", module_path!());
+            eprintln!("SKIPPED {}: {why}", std::thread::current().name().unwrap_or("test"));
             return;
         }
     };
