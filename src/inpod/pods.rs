@@ -110,6 +110,18 @@ impl InPod {
                 let addr = SocketAddr::new(ip, port);
                 match socket::listen_in(&netns, addr).await {
                     Ok(l) => bound.push((port, l)),
+                    // A namespace without IPv6 (disabled, or no kernel support): IPv4 only.
+                    Err(e)
+                        if ip.is_ipv6()
+                            && matches!(
+                                e.raw_os_error(),
+                                Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+                            ) =>
+                    {
+                        tracing::warn!(uid, error = %e,
+                            "pod has an IPv6 address but its namespace has no IPv6: capturing IPv4 only");
+                        break;
+                    }
                     Err(e) => {
                         return Err(PodError::Listen {
                             uid: uid.into(),

@@ -121,11 +121,17 @@ pub fn nft_rules() -> String {
     )
 }
 
-/// The `ip` commands for the reply route (both families).
-fn route_cmds(add: bool) -> Vec<Vec<String>> {
+/// Whether the kernel has IPv6 (without it, only the IPv4 rules are installed).
+pub fn ipv6_available() -> bool {
+    Path::new("/proc/sys/net/ipv6").exists()
+}
+
+/// The `ip` commands for the reply route (both families, or IPv4 only).
+fn route_cmds(add: bool, v6: bool) -> Vec<Vec<String>> {
     let verb = if add { "add" } else { "del" };
     let mut v = Vec::new();
-    for fam in ["-4", "-6"] {
+    let fams: &[&str] = if v6 { &["-4", "-6"] } else { &["-4"] };
+    for &fam in fams {
         let any = if fam == "-4" { "0.0.0.0/0" } else { "::/0" };
         v.push(
             format!(
@@ -180,16 +186,22 @@ fn in_netns<T: Send + 'static>(
 /// Installs the rules in the namespace at `netns` (removing an earlier install first, so applying
 /// twice is the same as once).
 pub fn apply(backend: Backend, netns: &Path) -> Result<(), RedirectError> {
+    let v6 = ipv6_available();
+    if !v6 {
+        tracing::warn!("kernel without IPv6: installing the IPv4 rules only");
+    }
     in_netns(netns, move || {
         remove_here(backend);
         match backend {
             Backend::Iptables => {
                 run("iptables-restore", &["--noflush".into()], Some(&iptables_rules(false)))?;
-                run("ip6tables-restore", &["--noflush".into()], Some(&iptables_rules(true)))?;
+                if v6 {
+                    run("ip6tables-restore", &["--noflush".into()], Some(&iptables_rules(true)))?;
+                }
             }
             Backend::Nftables => run("nft", &["-f".into(), "-".into()], Some(&nft_rules()))?,
         }
-        for c in route_cmds(true) {
+        for c in route_cmds(true, v6) {
             run("ip", &c, None)?;
         }
         Ok(())
@@ -221,7 +233,7 @@ fn remove_here(backend: Backend) {
         }
         Backend::Nftables => quiet("nft", &["delete", "table", "inet", "mbtunnel"]),
     }
-    for c in route_cmds(false) {
+    for c in route_cmds(false, ipv6_available()) {
         let _ = run("ip", &c, None);
     }
 }
@@ -240,7 +252,7 @@ mod tests {
         assert!(n.contains("redirect to :15001") && n.contains("redirect to :15006"), "{n}");
         assert!(n.contains("0xfffff000 | 0x111"), "{n}");
         assert_eq!(
-            route_cmds(true)[0].join(" "),
+            route_cmds(true, true)[0].join(" "),
             "-4 rule add fwmark 0x111/0xfff pref 32764 lookup 100"
         );
     }

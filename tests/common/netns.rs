@@ -61,6 +61,21 @@ macro_rules! require_netns {
     };
 }
 
+/// Why IPv6 cannot be used in the namespaces, if it cannot.
+pub fn ipv6_skip_reason() -> Option<String> {
+    if !std::path::Path::new("/proc/sys/net/ipv6").exists() {
+        return Some("kernel without IPv6".into());
+    }
+    match std::fs::read_to_string("/proc/sys/net/ipv6/conf/default/disable_ipv6") {
+        Ok(v) if v.trim() == "0" => None,
+        Ok(_) => Some(
+            "IPv6 disabled by default for new interfaces (net.ipv6.conf.default.disable_ipv6)"
+                .into(),
+        ),
+        Err(e) => Some(format!("cannot read IPv6 settings: {e}")),
+    }
+}
+
 pub fn sh(args: &[&str]) {
     let o = Command::new(args[0]).args(&args[1..]).output().expect("spawn");
     assert!(
@@ -120,6 +135,8 @@ pub struct Sim {
     // Dropped last to first: pods, nodes, fabric.
     guards: Vec<NsGuard>,
     nodes: Vec<u8>,
+    /// IPv6 addresses and routes are set up (see [`ipv6_skip_reason`]).
+    pub v6: bool,
 }
 
 /// A pod namespace.
@@ -156,7 +173,7 @@ impl Sim {
         let g = add_ns(&fab);
         ip(&fab, "link add br0 type bridge");
         ip(&fab, "link set br0 up");
-        Sim { tag, guards: vec![g], nodes: Vec::new() }
+        Sim { tag, guards: vec![g], nodes: Vec::new(), v6: ipv6_skip_reason().is_none() }
     }
 
     pub fn node_ns(&self, n: u8) -> String {
@@ -171,16 +188,20 @@ impl Sim {
         ip(&fab, &format!("link add n{n} type veth peer name eth0 netns {ns}"));
         ip(&fab, &format!("link set n{n} master br0 up"));
         ip(&ns, &format!("addr add 10.0.0.{n}/24 dev eth0"));
-        ip(&ns, &format!("addr add fd00::{n}/64 dev eth0 nodad"));
         ip(&ns, "link set eth0 up");
         sysctl(&ns, "net.ipv4.ip_forward=1");
-        sysctl(&ns, "net.ipv6.conf.all.forwarding=1");
+        if self.v6 {
+            ip(&ns, &format!("addr add fd00::{n}/64 dev eth0 nodad"));
+            sysctl(&ns, "net.ipv6.conf.all.forwarding=1");
+        }
         for &m in &self.nodes {
             let other = self.node_ns(m);
             ip(&ns, &format!("route add 10.0.{m}.0/24 via 10.0.0.{m}"));
-            ip(&ns, &format!("-6 route add fd00:{m}::/64 via fd00::{m}"));
             ip(&other, &format!("route add 10.0.{n}.0/24 via 10.0.0.{n}"));
-            ip(&other, &format!("-6 route add fd00:{n}::/64 via fd00::{n}"));
+            if self.v6 {
+                ip(&ns, &format!("-6 route add fd00:{m}::/64 via fd00::{m}"));
+                ip(&other, &format!("-6 route add fd00:{n}::/64 via fd00::{n}"));
+            }
         }
         self.nodes.push(n);
     }
@@ -192,17 +213,19 @@ impl Sim {
         let guard = add_ns(&name);
         ip(&node, &format!("link add vp{p} type veth peer name eth0 netns {name}"));
         ip(&node, &format!("addr add 10.0.{n}.1/32 dev vp{p}"));
-        ip(&node, &format!("addr add fd00:{n}::1/128 dev vp{p} nodad"));
         ip(&node, &format!("link set vp{p} up"));
         ip(&node, &format!("route add 10.0.{n}.{p}/32 dev vp{p}"));
-        ip(&node, &format!("-6 route add fd00:{n}::{p}/128 dev vp{p}"));
         ip(&name, &format!("addr add 10.0.{n}.{p}/32 dev eth0"));
-        ip(&name, &format!("addr add fd00:{n}::{p}/128 dev eth0 nodad"));
         ip(&name, "link set eth0 up");
         ip(&name, &format!("route add 10.0.{n}.1 dev eth0 scope link"));
         ip(&name, &format!("route add default via 10.0.{n}.1 dev eth0"));
-        ip(&name, &format!("-6 route add fd00:{n}::1 dev eth0"));
-        ip(&name, &format!("-6 route add default via fd00:{n}::1 dev eth0"));
+        if self.v6 {
+            ip(&node, &format!("addr add fd00:{n}::1/128 dev vp{p} nodad"));
+            ip(&node, &format!("-6 route add fd00:{n}::{p}/128 dev vp{p}"));
+            ip(&name, &format!("addr add fd00:{n}::{p}/128 dev eth0 nodad"));
+            ip(&name, &format!("-6 route add fd00:{n}::1 dev eth0"));
+            ip(&name, &format!("-6 route add default via fd00:{n}::1 dev eth0"));
+        }
         let ns = Arc::new(Netns::enter(netns::open(&ns_path(&name)).unwrap(), &name).unwrap());
         Pod {
             v4: format!("10.0.{n}.{p}").parse().unwrap(),
