@@ -126,6 +126,8 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         transparent: cfg.transparent,
         own_addrs: vec![bound.outbound, bound.inbound, bound.inbound_plaintext],
     });
+    let inpod_metrics =
+        cfg.inpod_enabled.then(|| crate::inpod::InPodMetrics::register(&mut registry));
     let registry = Arc::new(registry);
     let ready = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
@@ -174,7 +176,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     tasks.push(tokio::spawn(store.clone().run_renewal()));
 
     let zds_ready = Arc::new(AtomicBool::new(!cfg.inpod_enabled));
-    let inpod = cfg.inpod_enabled.then(|| Arc::new(InPod::new(ctx.clone(), store.clone())));
+    let inpod = inpod_metrics.map(|m| Arc::new(InPod::new(ctx.clone(), store.clone(), m)));
     if let Some(pods) = &inpod {
         tracing::info!(socket = %cfg.inpod_socket.display(), "in-pod mode: pods come from the CNI over ZDS; not ready until its first snapshot");
         tasks.push(tokio::spawn(crate::inpod::run_client(

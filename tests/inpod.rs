@@ -375,6 +375,8 @@ fn pods_come_and_go_while_traffic_flows_and_snapshot_removes_stale() {
     assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
     snapshot(&c.cni1);
     assert_eq!(c.n1.pods(), vec!["client-uid".to_string()], "stale pod reconciled away");
+    assert_eq!(metric(&c.n1.metrics(), "mbtunnel_inpod_pods", &[]), Some(1.0));
+    assert_eq!(metric(&c.n1.metrics(), "mbtunnel_zds_connections_total", &[]), Some(2.0));
     assert!(
         connect_from(&stale, "127.0.0.1:15001".parse().unwrap()).is_err(),
         "stale's listener closed"
@@ -429,6 +431,14 @@ fn malformed_zds_messages_are_nacked_and_the_proxy_keeps_serving() {
     };
     let err = c.cni1.send(WorkloadRequest::add("client-uid", Some(wrong)), Some(&fd));
     assert!(err.contains("mesh state says"), "{err}");
+    let t = c.n1.metrics();
+    assert_eq!(metric(&t, "mbtunnel_zds_requests_total", &["result=\"error\""]), Some(7.0), "{t}");
+    assert_eq!(
+        metric(&t, "mbtunnel_zds_requests_total", &["kind=\"malformed\""]),
+        Some(3.0),
+        "{t}"
+    );
+    assert_eq!(metric(&t, "mbtunnel_inpod_pods", &[]), Some(0.0), "{t}");
     // Still serving: a good add after all that works, and traffic flows.
     assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
     snapshot(&c.cni1);
@@ -527,4 +537,63 @@ fn not_ready_until_the_cni_answers_and_reconnects_after_it_restarts() {
     assert!(running.is_ready());
     rt.block_on(running.shutdown());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Output of a command, without `#` comment lines (iptables-save stamps the time in them).
+fn out(args: &[&str]) -> String {
+    let o = std::process::Command::new(args[0]).args(&args[1..]).output().expect("spawn");
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    text.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n")
+}
+
+/// The operator's path: `mbtunnel redirect ... --netns`, applied twice (same as once), removed.
+#[test]
+fn redirect_subcommand_applies_idempotently_and_removes_cleanly() {
+    require_netns!();
+    let mut sim = Sim::new();
+    sim.add_node(1);
+    let pod = sim.add_pod(1, 2);
+    let bin = env!("CARGO_BIN_EXE_mbtunnel");
+    let path = pod.path();
+    let p = path.to_str().unwrap();
+    let ns = &pod.name;
+    for backend in ["iptables", "nftables"] {
+        let show = || match backend {
+            "iptables" => out(&["ip", "netns", "exec", ns, "iptables-save"]),
+            _ => out(&["ip", "netns", "exec", ns, "nft", "list", "ruleset"]),
+        };
+        let rules_v6 = || out(&["ip", "netns", "exec", ns, "ip6tables-save"]);
+        let ip_rules = || out(&["ip", "-n", ns, "rule", "show"]);
+        sh_ok(&[bin, "redirect", backend, "apply", "--netns", p]);
+        let once = show();
+        assert!(
+            once.contains("15001") && once.contains("15006") && once.contains("15008"),
+            "{once}"
+        );
+        assert!(ip_rules().contains("lookup 100"), "{}", ip_rules());
+        sh_ok(&[bin, "redirect", backend, "apply", "--netns", p]);
+        assert_eq!(show(), once, "{backend}: applying twice equals once");
+        assert_eq!(ip_rules().matches("lookup 100").count(), 1);
+        if backend == "iptables" && common::netns::ipv6_skip_reason().is_none() {
+            assert!(rules_v6().contains("--to-ports 15001"), "{}", rules_v6());
+        }
+        sh_ok(&[bin, "redirect", backend, "remove", "--netns", p]);
+        let after = show();
+        assert!(!after.contains("MBT_") && !after.contains("mbtunnel"), "{backend}: {after}");
+        assert!(!ip_rules().contains("lookup 100"));
+    }
+    // A namespace that does not exist is a clear error.
+    let o = std::process::Command::new(bin)
+        .args(["redirect", "iptables", "apply", "--netns", "/var/run/netns/mbt-no-such-ns"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("cannot enter network namespace /var/run/netns/mbt-no-such-ns"), "{e}");
+}
+
+fn sh_ok(args: &[&str]) {
+    let o = std::process::Command::new(args[0]).args(&args[1..]).output().expect("spawn");
+    assert!(o.status.success(), "{}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
 }

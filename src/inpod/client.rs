@@ -28,6 +28,7 @@ pub async fn run_client(pods: Arc<InPod>, path: PathBuf, ready: Arc<AtomicBool>,
             match SeqPacket::connect(&path).await {
                 Ok(conn) => {
                     tracing::info!(socket = %path.display(), "connected to the CNI (ZDS)");
+                    pods.metrics.connections.inc();
                     failures = 0;
                     backoff = BACKOFF_MIN;
                     match serve(&pods, &conn, &ready).await {
@@ -65,6 +66,7 @@ async fn serve(pods: &InPod, conn: &SeqPacket, ready: &AtomicBool) -> std::io::R
     let mut snapshot_done = false;
     while let Some(p) = conn.recv().await? {
         let mut fds = p.fds;
+        let mut kind = "malformed";
         let result: Result<(), String> = if p.truncated {
             Err(format!(
                 "message truncated (over {} bytes or too many fds)",
@@ -76,52 +78,62 @@ async fn serve(pods: &InPod, conn: &SeqPacket, ready: &AtomicBool) -> std::io::R
                 Ok(WorkloadRequest { payload: None }) => {
                     Err("WorkloadRequest without a payload (unknown message type?)".into())
                 }
-                Ok(WorkloadRequest { payload: Some(req) }) => match req {
-                    Payload::Add(a) if a.uid.is_empty() => Err("add without a uid".into()),
-                    Payload::Add(a) => {
-                        if fds.len() > 1 {
-                            Err(format!(
-                                "add for {} carries {} fds; expected one",
-                                a.uid,
-                                fds.len()
-                            ))
-                        } else {
-                            let r = pods.add(&a.uid, a.workload_info.as_ref(), fds.pop()).await;
-                            if r.is_ok() {
-                                seen.insert(a.uid.clone());
+                Ok(WorkloadRequest { payload: Some(req) }) => {
+                    kind = match &req {
+                        Payload::Add(_) => "add",
+                        Payload::Keep(_) => "keep",
+                        Payload::Del(_) => "del",
+                        Payload::SnapshotSent(_) => "snapshot_sent",
+                    };
+                    match req {
+                        Payload::Add(a) if a.uid.is_empty() => Err("add without a uid".into()),
+                        Payload::Add(a) => {
+                            if fds.len() > 1 {
+                                Err(format!(
+                                    "add for {} carries {} fds; expected one",
+                                    a.uid,
+                                    fds.len()
+                                ))
+                            } else {
+                                let r = pods.add(&a.uid, a.workload_info.as_ref(), fds.pop()).await;
+                                if r.is_ok() {
+                                    seen.insert(a.uid.clone());
+                                }
+                                r.map_err(|e| e.to_string())
                             }
-                            r.map_err(|e| e.to_string())
                         }
-                    }
-                    Payload::Keep(k) => {
-                        if pods.holds(&k.uid) {
-                            seen.insert(k.uid);
+                        Payload::Keep(k) => {
+                            if pods.holds(&k.uid) {
+                                seen.insert(k.uid);
+                                Ok(())
+                            } else {
+                                Err(super::PodError::KeepUnknown(k.uid).to_string())
+                            }
+                        }
+                        Payload::Del(d) => {
+                            seen.remove(&d.uid);
+                            if !pods.remove(&d.uid).await {
+                                tracing::info!(uid = %d.uid, "delete for a pod not held (already gone)");
+                            }
                             Ok(())
-                        } else {
-                            Err(super::PodError::KeepUnknown(k.uid).to_string())
+                        }
+                        Payload::SnapshotSent(_) => {
+                            let removed = pods.reconcile(&seen).await;
+                            snapshot_done = true;
+                            ready.store(true, Ordering::Release);
+                            tracing::info!(
+                                pods = pods.uids().len(),
+                                removed = removed.len(),
+                                "CNI snapshot applied: ready"
+                            );
+                            Ok(())
                         }
                     }
-                    Payload::Del(d) => {
-                        seen.remove(&d.uid);
-                        if !pods.remove(&d.uid).await {
-                            tracing::info!(uid = %d.uid, "delete for a pod not held (already gone)");
-                        }
-                        Ok(())
-                    }
-                    Payload::SnapshotSent(_) => {
-                        let removed = pods.reconcile(&seen).await;
-                        snapshot_done = true;
-                        ready.store(true, Ordering::Release);
-                        tracing::info!(
-                            pods = pods.uids().len(),
-                            removed = removed.len(),
-                            "CNI snapshot applied: ready"
-                        );
-                        Ok(())
-                    }
-                },
+                }
             }
         };
+        let outcome = if result.is_ok() { "ok" } else { "error" };
+        pods.metrics.requests.get_or_create(&super::ZdsLabels { kind, result: outcome }).inc();
         // Any fd not consumed (e.g. on a delete, or a rejected add) closes here.
         drop(fds);
         if let Err(e) = &result {

@@ -42,11 +42,12 @@ pub struct InPod {
     ctx: Arc<Ctx>,
     store: Arc<CertStore>,
     pods: Mutex<HashMap<String, Pod>>,
+    pub(crate) metrics: super::InPodMetrics,
 }
 
 impl InPod {
-    pub fn new(ctx: Arc<Ctx>, store: Arc<CertStore>) -> InPod {
-        InPod { ctx, store, pods: Mutex::new(HashMap::new()) }
+    pub fn new(ctx: Arc<Ctx>, store: Arc<CertStore>, metrics: super::InPodMetrics) -> InPod {
+        InPod { ctx, store, pods: Mutex::new(HashMap::new()), metrics }
     }
 
     /// Uids of the pods held now.
@@ -173,7 +174,9 @@ impl InPod {
         state.set_enrolled(uid, true);
         tracing::info!(uid, workload = %w.name, identity = %id, netns = %netns.id(), ips = ?w.ips,
             "pod enrolled: listening on 15001/15006/15008 in its network namespace");
-        self.pods.lock().unwrap().insert(uid.into(), Pod { netns, ips: w.ips.clone(), listeners });
+        let mut pods = self.pods.lock().unwrap();
+        pods.insert(uid.into(), Pod { netns, ips: w.ips.clone(), listeners });
+        self.metrics.pods.set(pods.len() as i64);
         Ok(())
     }
 
@@ -184,7 +187,13 @@ impl InPod {
     /// Removes a pod: its listeners are closed when this returns; connections in flight finish
     /// on their own. Returns whether it was held.
     pub async fn remove(&self, uid: &str) -> bool {
-        let Some(pod) = self.pods.lock().unwrap().remove(uid) else { return false };
+        let pod = {
+            let mut pods = self.pods.lock().unwrap();
+            let pod = pods.remove(uid);
+            self.metrics.pods.set(pods.len() as i64);
+            pod
+        };
+        let Some(pod) = pod else { return false };
         self.ctx.state.set_enrolled(uid, false);
         for t in &pod.listeners {
             t.abort();
