@@ -31,7 +31,7 @@ for n in 1 2; do
   ip -n "$T-fab" link add "n$n" type veth peer name eth0 netns "$N"
   ip -n "$T-fab" link set "n$n" master br0 up
   ip -n "$N" addr add "10.0.0.$n/24" dev eth0; ip -n "$N" link set eth0 up
-  ip netns exec "$N" sysctl -qw net.ipv4.ip_forward=1
+  ip netns exec "$N" sh -c 'echo 1 > /proc/sys/net/ipv4/ip_forward'
 done
 ip -n "$T-n1" route add 10.0.2.0/24 via 10.0.0.2
 ip -n "$T-n2" route add 10.0.1.0/24 via 10.0.0.1

@@ -93,8 +93,16 @@ pub fn ip(ns: &str, args: &str) {
     sh(&v);
 }
 
+/// Sets a network sysctl (`net.ipv4.ip_forward=1`) in namespace `ns`: written from a thread inside
+/// it, since /proc/sys/net shows the namespace of the task that opens it (no `sysctl` binary needed).
 fn sysctl(ns: &str, kv: &str) {
-    sh(&["ip", "netns", "exec", ns, "sysctl", "-qw", kv]);
+    let (key, value) = kv.split_once('=').expect("key=value");
+    let path = format!("/proc/sys/{}", key.replace('.', "/"));
+    let value = value.to_string();
+    let n = Netns::enter(netns::open(&ns_path(ns)).unwrap(), ns).unwrap();
+    n.run_blocking(move || std::fs::write(&path, value))
+        .unwrap()
+        .unwrap_or_else(|e| panic!("sysctl {kv} in {ns}: {e}"));
 }
 
 /// Deletes namespaces left by test processes that no longer exist.
