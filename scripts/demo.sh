@@ -7,6 +7,8 @@
 # outbound listener sits, so the client's connection reaches the proxy the way iptables/eBPF
 # capture would deliver it, and the proxy maps the VIP to the echo workload.
 set -euo pipefail
+# DEMO_NETNS=1: the same mesh in network namespaces, in-pod mode, with redirect rules (root).
+if [ "${DEMO_NETNS:-0}" = 1 ]; then exec "$(dirname "$0")/demo-netns.sh"; fi
 BIN=${BIN:-target/release/mbtunnel}
 BYTES=${BYTES:-1048576}
 WORK=$(mktemp -d /tmp/mbtunnel-demo.XXXXXX)

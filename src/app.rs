@@ -16,6 +16,7 @@ use crate::config::Config;
 use crate::hbone::Pool;
 use crate::identity::ca::DevCa;
 use crate::identity::store::{humantime, CertStore};
+use crate::inpod::InPod;
 use crate::metrics::Metrics;
 use crate::proxy::{self, socket, Ctx, Drain};
 use crate::signer::{Signer, SignerConfig};
@@ -39,8 +40,12 @@ pub struct Running {
     pub signer: Signer,
     pub ctx: Arc<Ctx>,
     pub store: Arc<CertStore>,
+    /// In-pod mode: the pods enrolled by the CNI.
+    pub inpod: Option<Arc<InPod>>,
     registry: Arc<Registry>,
     ready: Arc<AtomicBool>,
+    /// False in in-pod mode until the CNI's first snapshot is applied; true otherwise.
+    zds_ready: Arc<AtomicBool>,
     drain_timeout: Duration,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -121,24 +126,26 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         transparent: cfg.transparent,
         own_addrs: vec![bound.outbound, bound.inbound, bound.inbound_plaintext],
     });
+    let inpod_metrics =
+        cfg.inpod_enabled.then(|| crate::inpod::InPodMetrics::register(&mut registry));
     let registry = Arc::new(registry);
     let ready = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
 
     let c = ctx.clone();
     tasks.push(tokio::spawn(proxy::accept_loop("outbound", out_l, drain.clone(), move |s, p| {
-        proxy::outbound::handle(c.clone(), s, p)
+        proxy::outbound::handle(c.clone(), s, p, None)
     })));
     let c = ctx.clone();
     tasks.push(tokio::spawn(proxy::accept_loop("inbound", in_l, drain.clone(), move |s, p| {
-        proxy::inbound::handle_hbone(c.clone(), s, p)
+        proxy::inbound::handle_hbone(c.clone(), s, p, None)
     })));
     let c = ctx.clone();
     tasks.push(tokio::spawn(proxy::accept_loop(
         "inbound_plaintext",
         pt_l,
         drain.clone(),
-        move |s, p| proxy::inbound::handle_plaintext(c.clone(), s, p),
+        move |s, p| proxy::inbound::handle_plaintext(c.clone(), s, p, None),
     )));
 
     // Certificates for every local workload, then readiness.
@@ -168,6 +175,18 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     }
     tasks.push(tokio::spawn(store.clone().run_renewal()));
 
+    let zds_ready = Arc::new(AtomicBool::new(!cfg.inpod_enabled));
+    let inpod = inpod_metrics.map(|m| Arc::new(InPod::new(ctx.clone(), store.clone(), m)));
+    if let Some(pods) = &inpod {
+        tracing::info!(socket = %cfg.inpod_socket.display(), "in-pod mode: pods come from the CNI over ZDS; not ready until its first snapshot");
+        tasks.push(tokio::spawn(crate::inpod::run_client(
+            pods.clone(),
+            cfg.inpod_socket.clone(),
+            zds_ready.clone(),
+            drain.clone(),
+        )));
+    }
+
     let reg = registry.clone();
     tasks.push(tokio::spawn(admin::serve(metrics_l, drain.clone(), move |req| {
         let reg = reg.clone();
@@ -194,9 +213,10 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         }
     })));
     let rd = ready.clone();
+    let zr = zds_ready.clone();
     let dr = drain.clone();
     tasks.push(tokio::spawn(admin::serve(ready_l, drain.clone(), move |req| {
-        let ready = rd.load(Ordering::Acquire) && !dr.is_draining();
+        let ready = rd.load(Ordering::Acquire) && zr.load(Ordering::Acquire) && !dr.is_draining();
         async move {
             match req.uri().path() {
                 "/healthz/ready" if ready => text(StatusCode::OK, "ready\n"),
@@ -209,16 +229,21 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let dump_store = store.clone();
     let dump_ctx = ctx.clone();
     let dump_signer = signer.clone();
+    let dump_inpod = inpod.clone();
     tasks.push(tokio::spawn(admin::serve(admin_l, drain.clone(), move |req| {
         let cfg = dump_cfg.clone();
         let store = dump_store.clone();
         let ctx = dump_ctx.clone();
         let signer = dump_signer.clone();
+        let inpod = dump_inpod.clone();
         let log = log.clone();
         async move {
             match req.uri().path() {
                 "/config_dump" => {
-                    let v = config_dump(&cfg, &store, &ctx, &signer);
+                    let mut v = config_dump(&cfg, &store, &ctx, &signer);
+                    if let Some(p) = &inpod {
+                        v["inpod_pods"] = json!(p.uids());
+                    }
                     let mut r =
                         text(StatusCode::OK, serde_json::to_string_pretty(&v).unwrap_or_default());
                     r.headers_mut().insert(
@@ -257,8 +282,10 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         signer,
         ctx,
         store,
+        inpod,
         registry,
         ready,
+        zds_ready,
         drain_timeout: Duration::from_secs(cfg.drain_timeout_secs),
         tasks,
     })
@@ -299,7 +326,7 @@ fn config_dump(cfg: &Config, store: &CertStore, ctx: &Ctx, signer: &Signer) -> s
 
 impl Running {
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire)
+        self.ready.load(Ordering::Acquire) && self.zds_ready.load(Ordering::Acquire)
     }
 
     /// Waits until ready (or `timeout`).

@@ -22,6 +22,9 @@ pub mod env {
     pub const LOG_FORMAT: &str = "MBTUNNEL_LOG_FORMAT";
     pub const SIGNER_THREADS: &str = "MBTUNNEL_SIGNER_THREADS";
     pub const LOG: &str = "RUST_LOG";
+    /// `true`/`false`: in-pod mode (the names ztunnel uses).
+    pub const INPOD_ENABLED: &str = "INPOD_ENABLED";
+    pub const INPOD_UDS: &str = "INPOD_UDS";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -183,6 +186,12 @@ pub struct Config {
     /// Batches of at most this many requests use BoringSSL single-op (faster for so few).
     /// Unset: the measured per-class defaults (2 for RSA, 1 for ECDSA P-256).
     pub signer_scalar_below: Option<usize>,
+    /// In-pod mode: take pods from istio-cni over ZDS and open their listeners inside each pod's
+    /// network namespace. The served workloads are then the enrolled pods (by uid), not those
+    /// whose `node` is `node_name`.
+    pub inpod_enabled: bool,
+    /// The CNI's ZDS socket (Unix SOCK_SEQPACKET).
+    pub inpod_socket: PathBuf,
     pub nodes: Vec<Node>,
     pub workloads: Vec<Workload>,
     pub services: Vec<Service>,
@@ -214,6 +223,8 @@ impl Default for Config {
             signer_max_wait_us: 0,
             signer_queue_limit: 4096,
             signer_scalar_below: None,
+            inpod_enabled: false,
+            inpod_socket: PathBuf::from("/var/run/ztunnel/ztunnel.sock"),
             nodes: Vec::new(),
             workloads: Vec::new(),
             services: Vec::new(),
@@ -264,6 +275,21 @@ impl Config {
                 ))
             })?;
         }
+        if let Some(v) = get(env::INPOD_ENABLED) {
+            self.inpod_enabled = match v.trim() {
+                "true" | "1" => true,
+                "false" | "0" | "" => false,
+                _ => {
+                    return Err(ConfigError::Invalid(format!(
+                        "{}: '{v}' is not true or false",
+                        env::INPOD_ENABLED
+                    )))
+                }
+            };
+        }
+        if let Some(v) = get(env::INPOD_UDS) {
+            self.inpod_socket = v.into();
+        }
         if let Some(v) = get(env::LOG_FORMAT) {
             self.log_format = match v.as_str() {
                 "text" => LogFormat::Text,
@@ -298,6 +324,9 @@ impl Config {
                 "cert_lifetime_secs {} is below the minimum of 60",
                 self.cert_lifetime_secs
             ));
+        }
+        if self.inpod_enabled && self.inpod_socket.as_os_str().is_empty() {
+            return bad("inpod_socket is empty".into());
         }
         if self.signer_queue_limit == 0 {
             return bad("signer_queue_limit must be at least 1".into());
@@ -445,5 +474,16 @@ nodes:
         );
         let e = c.apply_env(|k| (k == env::LOG_FORMAT).then(|| "xml".into())).unwrap_err();
         assert!(e.to_string().contains("xml"));
+        let mut c = Config::default();
+        assert!(!c.inpod_enabled);
+        c.apply_env(|k| match k {
+            env::INPOD_ENABLED => Some("true".into()),
+            env::INPOD_UDS => Some("/tmp/zds.sock".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert!(c.inpod_enabled && c.inpod_socket == Path::new("/tmp/zds.sock"));
+        let e = c.apply_env(|k| (k == env::INPOD_ENABLED).then(|| "maybe".into())).unwrap_err();
+        assert!(e.to_string().contains("INPOD_ENABLED"), "{e}");
     }
 }

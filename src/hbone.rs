@@ -16,6 +16,7 @@ use hyper::upgrade::Upgraded;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 
 use crate::identity::Identity;
+use crate::inpod::netns::Netns;
 use crate::metrics::Metrics;
 use crate::proxy::socket::{dial, DialOpts};
 use crate::tls::{TlsError, TlsProvider};
@@ -99,9 +100,13 @@ impl Pool {
         Some(p.sender.clone())
     }
 
-    async fn connect(&self, key: &PoolKey) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
+    async fn connect(
+        &self,
+        key: &PoolKey,
+        netns: Option<&Netns>,
+    ) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
         let source = self.transparent.then_some(key.src_ip);
-        let tcp = dial(key.dst, DialOpts { mark: self.mark, source })
+        let tcp = dial(key.dst, DialOpts { mark: self.mark, source, netns })
             .await
             .map_err(|e| HboneError::Connect(key.dst, e))?;
         let tls = self.tls.connect(tcp, &key.src_id, &key.dst_id).await?;
@@ -127,20 +132,29 @@ impl Pool {
         Ok(sender)
     }
 
+    /// Drops the pooled connections of source `ip` (its pod left; its sockets' namespace may be
+    /// gone). Streams in flight on them finish.
+    pub fn forget_source(&self, ip: IpAddr) {
+        let mut conns = self.conns.lock().unwrap();
+        conns.retain(|k, _| k.src_ip != ip);
+        self.metrics.hbone_pool_connections.set(conns.len() as i64);
+    }
+
     /// Opens a tunnel to `target` through the node at `key.dst`, reusing a pooled connection when
-    /// one is usable.
+    /// one is usable. New connections are opened in `netns` when given (in-pod mode).
     pub async fn tunnel(
         &self,
         key: &PoolKey,
         target: SocketAddr,
         headers: &ConnectHeaders,
+        netns: Option<&Netns>,
     ) -> Result<Upgraded, HboneError> {
         let mut sender = match self.checkout(key) {
             Some(s) => s,
-            None => self.connect(key).await?,
+            None => self.connect(key, netns).await?,
         };
         if sender.ready().await.is_err() {
-            sender = self.connect(key).await?;
+            sender = self.connect(key, netns).await?;
         }
         let req = Request::builder()
             .method(Method::CONNECT)
@@ -194,6 +208,8 @@ pub enum ConnectRefusal {
     UnknownTarget(SocketAddr),
     #[error("upstream {0} unreachable: {1}")]
     Upstream(SocketAddr, String),
+    #[error("target {0} is one of the proxy's own ports in the pod: would loop")]
+    Loop(SocketAddr),
 }
 
 impl ConnectRefusal {
@@ -202,7 +218,8 @@ impl ConnectRefusal {
             ConnectRefusal::Method(_) => StatusCode::METHOD_NOT_ALLOWED,
             ConnectRefusal::Authority(_)
             | ConnectRefusal::AddressMismatch { .. }
-            | ConnectRefusal::UnknownTarget(_) => StatusCode::BAD_REQUEST,
+            | ConnectRefusal::UnknownTarget(_)
+            | ConnectRefusal::Loop(_) => StatusCode::BAD_REQUEST,
             ConnectRefusal::Upstream(..) => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -215,6 +232,7 @@ impl ConnectRefusal {
             ConnectRefusal::AddressMismatch { .. } => "address_mismatch",
             ConnectRefusal::UnknownTarget(_) => "unknown_target",
             ConnectRefusal::Upstream(..) => "upstream_unreachable",
+            ConnectRefusal::Loop(_) => "loop",
         }
     }
 }

@@ -43,6 +43,18 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Bench),
+    /// Install or remove in-pod redirect rules in a pod's network namespace (what istio-cni does):
+    /// outbound TCP → 15001, inbound → 15006 (15008 untouched), mark 0x539 skipped, connmark
+    /// 0x111 + table 100 for replies.
+    Redirect {
+        /// iptables (default in istio-cni) or nftables.
+        backend: mbtunnel::redirect::Backend,
+        /// apply or remove.
+        action: RedirectAction,
+        /// The namespace: /var/run/netns/NAME or /proc/PID/ns/net.
+        #[arg(long)]
+        netns: PathBuf,
+    },
     /// Test helpers used by the demo: an echo server and a client.
     #[command(hide = true, subcommand)]
     Tool(Tool),
@@ -83,6 +95,12 @@ struct RunArgs {
     log_level: Option<String>,
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum RedirectAction {
+    Apply,
+    Remove,
+}
+
 #[derive(Subcommand)]
 enum Bench {
     /// Concurrent mTLS handshakes: signer on IFMA vs signer on scalar vs inline BoringSSL.
@@ -121,6 +139,64 @@ enum Tool {
         #[arg(long, default_value_t = 1 << 20)]
         bytes: usize,
     },
+    /// A minimal stand-in for istio-cni's node agent: serves ZDS on `--socket`, installs the
+    /// redirect rules in each pod's namespace, and enrols the pods (replayed on every reconnect,
+    /// then SnapshotSent). Prints one JSON line per ack.
+    Cni {
+        #[arg(long)]
+        socket: PathBuf,
+        /// uid=NETNS_PATH, e.g. client-1=/var/run/netns/pod-a (repeatable).
+        #[arg(long = "pod", value_parser = parse_pod)]
+        pods: Vec<(String, PathBuf)>,
+        #[arg(long, default_value = "iptables")]
+        redirect: mbtunnel::redirect::Backend,
+    },
+}
+
+fn parse_pod(s: &str) -> Result<(String, PathBuf), String> {
+    match s.split_once('=') {
+        Some((uid, path)) if !uid.is_empty() && !path.is_empty() => Ok((uid.into(), path.into())),
+        _ => Err(format!("'{s}' is not uid=/path/to/netns")),
+    }
+}
+
+async fn fake_cni(
+    socket: PathBuf,
+    pods: Vec<(String, PathBuf)>,
+    backend: mbtunnel::redirect::Backend,
+) -> anyhow::Result<()> {
+    use mbtunnel::inpod::uds::SeqPacketListener;
+    use mbtunnel::inpod::zds::{ResponsePayload, WorkloadRequest, WorkloadResponse};
+    use prost::Message;
+    for (uid, path) in &pods {
+        mbtunnel::redirect::apply(backend, path)
+            .with_context(|| format!("redirect rules for pod {uid}"))?;
+    }
+    let l =
+        SeqPacketListener::bind(&socket).with_context(|| format!("bind {}", socket.display()))?;
+    loop {
+        let conn = l.accept().await?;
+        let _hello = conn.recv().await?;
+        let mut reqs: Vec<(String, WorkloadRequest, Option<std::os::fd::OwnedFd>)> = Vec::new();
+        for (uid, path) in &pods {
+            let fd = mbtunnel::inpod::netns::open(path)
+                .with_context(|| format!("open {}", path.display()))?;
+            reqs.push((format!("add {uid}"), WorkloadRequest::add(uid, None), Some(fd)));
+        }
+        reqs.push(("snapshot".into(), WorkloadRequest::snapshot_sent(), None));
+        for (what, req, fd) in reqs {
+            let fds: Vec<_> = fd.as_ref().map(std::os::fd::AsFd::as_fd).into_iter().collect();
+            conn.send(&req.encode_to_vec(), &fds).await?;
+            let Some(p) = conn.recv().await? else { break };
+            let err = match WorkloadResponse::decode(&p.data[..]).map(|r| r.payload) {
+                Ok(Some(ResponsePayload::Ack(a))) => a.error,
+                _ => "malformed response".into(),
+            };
+            println!("{}", serde_json::json!({"request": what, "error": err}));
+        }
+        // Hold the connection until the proxy goes; then wait for it to come back.
+        while conn.recv().await?.is_some() {}
+    }
 }
 
 type FilterHandle = reload::Handle<EnvFilter, tracing_subscriber::Registry>;
@@ -220,6 +296,7 @@ async fn tool(t: Tool) -> anyhow::Result<()> {
                 });
             }
         }
+        Tool::Cni { socket, pods, redirect } => fake_cni(socket, pods, redirect).await,
         Tool::Send { connect, bind, bytes } => {
             let sock = if connect.is_ipv4() {
                 tokio::net::TcpSocket::new_v4()?
@@ -295,6 +372,13 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 print!("{r}");
+            }
+            Ok(())
+        }
+        Cmd::Redirect { backend, action, netns } => {
+            match action {
+                RedirectAction::Apply => mbtunnel::redirect::apply(backend, &netns)?,
+                RedirectAction::Remove => mbtunnel::redirect::remove(backend, &netns)?,
             }
             Ok(())
         }

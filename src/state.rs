@@ -3,9 +3,10 @@
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 use crate::config::{Config, Protocol, Service, Workload};
 use crate::identity::Identity;
@@ -40,6 +41,9 @@ pub struct State {
     services_by_vip: HashMap<IpAddr, Arc<Service>>,
     node_hbone: HashMap<String, SocketAddr>,
     rr: AtomicUsize,
+    /// In-pod mode: the workloads served here are the pods the CNI enrolled (by uid), not the
+    /// ones whose `node` matches.
+    inpod: Option<RwLock<HashSet<String>>>,
 }
 
 impl State {
@@ -69,6 +73,7 @@ impl State {
             services_by_vip,
             node_hbone: cfg.nodes.iter().map(|n| (n.name.clone(), n.hbone_addr)).collect(),
             rr: AtomicUsize::new(0),
+            inpod: cfg.inpod_enabled.then(|| RwLock::new(HashSet::new())),
         }
     }
 
@@ -76,14 +81,37 @@ impl State {
         self.by_ip.get(&ip)
     }
 
-    /// Workloads running on this node.
+    pub fn workload_by_uid(&self, uid: &str) -> Option<&Arc<Workload>> {
+        self.by_uid.get(uid)
+    }
+
+    fn is_local(&self, w: &Workload) -> bool {
+        match &self.inpod {
+            Some(set) => set.read().unwrap().contains(&w.uid),
+            None => w.node == self.node_name,
+        }
+    }
+
+    /// Workloads served by this proxy: those of this node, or in in-pod mode the enrolled pods.
     pub fn local_workloads(&self) -> impl Iterator<Item = &Arc<Workload>> {
-        self.by_uid.values().filter(|w| w.node == self.node_name)
+        self.by_uid.values().filter(|w| self.is_local(w))
     }
 
     /// The local workload owning `ip`, if any.
     pub fn local_workload_by_ip(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
-        self.by_ip.get(&ip).filter(|w| w.node == self.node_name)
+        self.by_ip.get(&ip).filter(|w| self.is_local(w))
+    }
+
+    /// In-pod mode: starts (`true`) or stops serving the workload `uid`. No-op otherwise.
+    pub fn set_enrolled(&self, uid: &str, enrolled: bool) {
+        if let Some(set) = &self.inpod {
+            let mut set = set.write().unwrap();
+            if enrolled {
+                set.insert(uid.to_string());
+            } else {
+                set.remove(uid);
+            }
+        }
     }
 
     pub fn identity_of(&self, w: &Workload) -> Identity {
@@ -170,5 +198,22 @@ nodes:
         let c = s.resolve("10.0.1.2:1".parse().unwrap()).unwrap().unwrap();
         assert_eq!(c.hbone_addr, "10.0.1.2:15008".parse().unwrap(), "default: workload ip:15008");
         assert_eq!(s.local_workloads().count(), 1);
+    }
+
+    #[test]
+    fn inpod_serves_enrolled_pods_only() {
+        let cfg = Config::from_yaml(
+            "node_name: a\ninpod_enabled: true\nworkloads:\n  - {uid: c, name: client, ips: [10.0.1.2], node: a}\n",
+            Path::new("t"),
+        )
+        .unwrap();
+        let s = State::new(&cfg);
+        let ip = "10.0.1.2".parse().unwrap();
+        assert!(s.local_workload_by_ip(ip).is_none(), "node match alone is not enough in-pod");
+        s.set_enrolled("c", true);
+        assert_eq!(s.local_workload_by_ip(ip).unwrap().name, "client");
+        assert_eq!(s.local_workloads().count(), 1);
+        s.set_enrolled("c", false);
+        assert!(s.local_workload_by_ip(ip).is_none());
     }
 }

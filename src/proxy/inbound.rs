@@ -18,12 +18,19 @@ use super::socket::{dial, original_dst, DialOpts};
 use super::{copy_both, ConnRecord, Ctx};
 use crate::hbone::{parse_connect, server_builder, ConnectRefusal};
 use crate::identity::Identity;
+use crate::inpod::netns::Netns;
 use crate::metrics::{Reporter, SecurityPolicy};
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// One HBONE TLS connection.
-pub async fn handle_hbone(ctx: Arc<Ctx>, tcp: TcpStream, peer: SocketAddr) {
+/// `netns`: the pod whose listener accepted (in-pod mode); the app is dialled from inside it.
+pub async fn handle_hbone(
+    ctx: Arc<Ctx>,
+    tcp: TcpStream,
+    peer: SocketAddr,
+    netns: Option<Arc<Netns>>,
+) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // The address the client dialled: redirected (pod ip:15008) or the listener's own.
     let Some(reached) = original_dst(&tcp).or_else(|| tcp.local_addr().ok()) else { return };
@@ -49,7 +56,12 @@ pub async fn handle_hbone(ctx: Arc<Ctx>, tcp: TcpStream, peer: SocketAddr) {
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let ctx = svc_ctx.clone();
             let peer_id = peer_id.clone();
-            async move { Ok::<_, Infallible>(serve_connect(ctx, req, peer, reached, &peer_id).await) }
+            let netns = netns.clone();
+            async move {
+                Ok::<_, Infallible>(
+                    serve_connect(ctx, req, peer, reached, &peer_id, netns.as_deref()).await,
+                )
+            }
         });
         let conn = server_builder().serve_connection(TokioIo::new(tls), service);
         tokio::pin!(conn);
@@ -78,6 +90,7 @@ async fn serve_connect(
     peer: SocketAddr,
     reached: SocketAddr,
     peer_id: &Identity,
+    netns: Option<&Netns>,
 ) -> Response<Empty<Bytes>> {
     let refuse = |e: ConnectRefusal| {
         ctx.metrics.refuse(e.reason());
@@ -97,8 +110,11 @@ async fn serve_connect(
             reached: reached.ip(),
         });
     }
+    if netns.is_some() && crate::inpod::PROXY_PORTS.contains(&target.port()) {
+        return refuse(ConnectRefusal::Loop(target));
+    }
     let source = ctx.transparent.then_some(peer.ip());
-    let upstream = match dial(target, DialOpts { mark: ctx.mark, source }).await {
+    let upstream = match dial(target, DialOpts { mark: ctx.mark, source, netns }).await {
         Ok(u) => u,
         Err(e) => return refuse(ConnectRefusal::Upstream(target, e.to_string())),
     };
@@ -137,7 +153,12 @@ async fn serve_connect(
 }
 
 /// Inbound plaintext (15006): a connection redirected to a local workload, passed through as is.
-pub async fn handle_plaintext(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
+pub async fn handle_plaintext(
+    ctx: Arc<Ctx>,
+    mut client: TcpStream,
+    peer: SocketAddr,
+    netns: Option<Arc<Netns>>,
+) {
     let Some(dst) = original_dst(&client).or_else(|| client.local_addr().ok()) else { return };
     let span = tracing::info_span!("inbound_plaintext", src = %peer, dst = %dst);
     async move {
@@ -145,6 +166,7 @@ pub async fn handle_plaintext(ctx: Arc<Ctx>, mut client: TcpStream, peer: Socket
             .own_addrs
             .iter()
             .any(|a| a.port() == dst.port() && (a.ip() == dst.ip() || a.ip().is_unspecified()))
+            || (netns.is_some() && crate::inpod::PROXY_PORTS.contains(&dst.port()))
         {
             ctx.metrics.refuse("loop");
             tracing::warn!("refused: plaintext connection to the proxy's own listener would loop");
@@ -167,7 +189,7 @@ pub async fn handle_plaintext(ctx: Arc<Ctx>, mut client: TcpStream, peer: Socket
             SecurityPolicy::unknown,
         );
         let source = ctx.transparent.then_some(peer.ip());
-        match dial(dst, DialOpts { mark: ctx.mark, source }).await {
+        match dial(dst, DialOpts { mark: ctx.mark, source, netns: netns.as_deref() }).await {
             Ok(mut up) => {
                 let (rx, tx, r) = copy_both(&mut client, &mut up).await;
                 rec.close(rx, tx, r);

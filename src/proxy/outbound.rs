@@ -12,11 +12,19 @@ use super::{copy_both, ConnRecord, Ctx};
 use crate::config::Protocol;
 use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey};
+use crate::inpod::netns::Netns;
 use crate::metrics::{Reporter, SecurityPolicy};
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
-pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
+/// `netns`: the pod whose listener accepted (in-pod mode); sockets toward the network are opened
+/// there so they leave with the pod's address.
+pub async fn handle(
+    ctx: Arc<Ctx>,
+    mut client: TcpStream,
+    peer: SocketAddr,
+    netns: Option<Arc<Netns>>,
+) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let redirected = original_dst(&client);
     let dst = match redirected.or_else(|| client.local_addr().ok()) {
@@ -38,7 +46,13 @@ pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
             .own_addrs
             .iter()
             .any(|a| *a == dst || (a.ip().is_unspecified() && a.port() == dst.port()));
-        if is_own && (redirected.is_some() || upstream.is_none()) {
+        // In a pod, a connection that reached 15001 without being redirected was dialled to the
+        // proxy's port itself (e.g. 127.0.0.1:15001): passing it through would dial it again.
+        // (Conntrack answers SO_ORIGINAL_DST for any tracked connection: "not redirected" is an
+        // original destination equal to the local address.)
+        let direct_in_pod =
+            netns.is_some() && redirected.is_none_or(|r| Some(r) == client.local_addr().ok());
+        if direct_in_pod || (is_own && (redirected.is_some() || upstream.is_none())) {
             ctx.metrics.refuse("loop");
             tracing::warn!("refused: connection to the proxy's own listener would loop");
             return;
@@ -60,7 +74,9 @@ pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
                 "unknown".into(),
                 SecurityPolicy::unknown,
             );
-            match dial(dst, DialOpts { mark: ctx.mark, source: None }).await {
+            match dial(dst, DialOpts { mark: ctx.mark, source: None, netns: netns.as_deref() })
+                .await
+            {
                 Ok(mut up) => {
                     let (rx, tx, r) = copy_both(&mut client, &mut up).await;
                     rec.close(rx, tx, r);
@@ -93,7 +109,12 @@ pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
         );
         match upstream.protocol {
             Protocol::Tcp => {
-                match dial(upstream.target, DialOpts { mark: ctx.mark, source: None }).await {
+                match dial(
+                    upstream.target,
+                    DialOpts { mark: ctx.mark, source: None, netns: netns.as_deref() },
+                )
+                .await
+                {
                     Ok(mut up) => {
                         let (rx, tx, r) = copy_both(&mut client, &mut up).await;
                         rec.close(rx, tx, r);
@@ -110,7 +131,7 @@ pub async fn handle(ctx: Arc<Ctx>, mut client: TcpStream, peer: SocketAddr) {
                         src_wl.namespace, src_wl.name, src_wl.name
                     ),
                 };
-                match ctx.pool.tunnel(&key, upstream.target, &headers).await {
+                match ctx.pool.tunnel(&key, upstream.target, &headers, netns.as_deref()).await {
                     Ok(tunnel) => {
                         let mut tunnel = hyper_util::rt::TokioIo::new(tunnel);
                         let (rx, tx, r) = copy_both(&mut client, &mut tunnel).await;

@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use socket2::{Domain, Protocol, SockRef, Socket, Type};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
+use crate::inpod::netns::Netns;
+
 /// Binds a TCP listener. With `transparent`, tries `IP_TRANSPARENT` (needs CAP_NET_ADMIN) and
 /// warns once when it is not allowed.
 pub fn listen(addr: SocketAddr, transparent: bool) -> std::io::Result<TcpListener> {
@@ -48,16 +50,47 @@ pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
 
 /// Options for sockets the proxy opens toward the network.
 #[derive(Clone, Copy, Debug)]
-pub struct DialOpts {
+pub struct DialOpts<'a> {
     pub mark: u32,
     /// Source address to present (kept only when `IP_TRANSPARENT` or a local address allows it).
     pub source: Option<IpAddr>,
+    /// In-pod mode: open the socket in this pod's network namespace (else the proxy's own).
+    pub netns: Option<&'a Netns>,
+}
+
+async fn new_socket(v6: bool, netns: Option<&Netns>) -> std::io::Result<TcpSocket> {
+    match netns {
+        None if v6 => TcpSocket::new_v6(),
+        None => TcpSocket::new_v4(),
+        Some(ns) => {
+            let s = ns.tcp_socket(v6).await?;
+            Ok(TcpSocket::from_std_stream(std::net::TcpStream::from(s)))
+        }
+    }
+}
+
+/// A listener inside `netns` on `addr` (in-pod mode).
+pub async fn listen_in(netns: &Netns, addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let s = netns
+        .run(move || {
+            let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+            s.set_reuse_address(true)?;
+            if addr.is_ipv6() {
+                s.set_only_v6(true)?;
+            }
+            s.set_nonblocking(true)?;
+            s.bind(&addr.into())?;
+            s.listen(1024)?;
+            Ok::<_, std::io::Error>(s)
+        })
+        .await??;
+    TcpListener::from_std(s.into())
 }
 
 /// Connects to `dst` with `SO_MARK` (so redirect rules skip the proxy's own traffic) and, when
 /// asked, from `source` (`IP_TRANSPARENT`) so that the destination sees the original client.
-pub async fn dial(dst: SocketAddr, opts: DialOpts) -> std::io::Result<TcpStream> {
-    let sock = if dst.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+pub async fn dial(dst: SocketAddr, opts: DialOpts<'_>) -> std::io::Result<TcpStream> {
+    let sock = new_socket(dst.is_ipv6(), opts.netns).await?;
     {
         let r = SockRef::from(&sock);
         if opts.mark != 0 {
@@ -78,7 +111,7 @@ pub async fn dial(dst: SocketAddr, opts: DialOpts) -> std::io::Result<TcpStream>
         if let Err(e) = sock.bind(SocketAddr::new(src, 0)) {
             tracing::debug!(error = %e, source = %src, "cannot bind original source; using the proxy's address");
             // A failed bind leaves the socket unusable for a new bind: start over unbound.
-            let sock = if dst.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+            let sock = new_socket(dst.is_ipv6(), opts.netns).await?;
             if opts.mark != 0 {
                 let _ = SockRef::from(&sock).set_mark(opts.mark);
             }

@@ -2,6 +2,8 @@
 //! loopback addresses (127.0.<net>.x), so tests running in parallel never collide.
 #![allow(dead_code)]
 
+pub mod netns;
+
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};

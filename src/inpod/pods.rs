@@ -1,0 +1,220 @@
+//! The enrolled pods: for each, its namespace thread, its three listeners and their accept
+//! loops. Adding a pod opens the listeners and issues its certificate; removing it closes them.
+#![forbid(unsafe_code)]
+
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+
+use super::netns::{Netns, NetnsId};
+use super::zds::WorkloadInfo;
+use super::{INBOUND_PLAINTEXT_PORT, INBOUND_PORT, OUTBOUND_PORT};
+use crate::identity::store::CertStore;
+use crate::proxy::{self, socket, Ctx};
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum PodError {
+    #[error("pod {0}: no workload with this uid in the mesh state")]
+    UnknownUid(String),
+    #[error("pod {uid}: the CNI says {cni} but the mesh state says {state}")]
+    IdentityMismatch { uid: String, cni: String, state: String },
+    #[error("pod {0}: add without a network namespace fd")]
+    NoNetns(String),
+    #[error("pod {uid}: cannot enter its network namespace: {error}")]
+    Netns { uid: String, error: String },
+    #[error("pod {uid}: cannot listen on {addr} in its network namespace: {error}")]
+    Listen { uid: String, addr: SocketAddr, error: String },
+    #[error("pod {uid}: certificate for {identity}: {error}")]
+    Certificate { uid: String, identity: String, error: String },
+    #[error("keep for pod {0}, which this proxy does not hold")]
+    KeepUnknown(String),
+}
+
+struct Pod {
+    netns: Arc<Netns>,
+    ips: Vec<IpAddr>,
+    listeners: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What the proxy holds for the CNI.
+pub struct InPod {
+    ctx: Arc<Ctx>,
+    store: Arc<CertStore>,
+    pods: Mutex<HashMap<String, Pod>>,
+    pub(crate) metrics: super::InPodMetrics,
+}
+
+impl InPod {
+    pub fn new(ctx: Arc<Ctx>, store: Arc<CertStore>, metrics: super::InPodMetrics) -> InPod {
+        InPod { ctx, store, pods: Mutex::new(HashMap::new()), metrics }
+    }
+
+    /// Uids of the pods held now.
+    pub fn uids(&self) -> Vec<String> {
+        let mut v: Vec<_> = self.pods.lock().unwrap().keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    pub fn holds(&self, uid: &str) -> bool {
+        self.pods.lock().unwrap().contains_key(uid)
+    }
+
+    /// Enrols a pod: checks it against the mesh state, enters its namespace, opens its listeners,
+    /// issues its certificate. Re-adding a pod in the same namespace is a no-op; in another
+    /// namespace (the pod was re-created) it replaces the old one.
+    pub async fn add(
+        &self,
+        uid: &str,
+        info: Option<&WorkloadInfo>,
+        fd: Option<OwnedFd>,
+    ) -> Result<(), PodError> {
+        let state = &self.ctx.state;
+        let w =
+            state.workload_by_uid(uid).cloned().ok_or_else(|| PodError::UnknownUid(uid.into()))?;
+        if let Some(i) = info {
+            let cni = format!("{}/{} (sa {})", i.namespace, i.name, i.service_account);
+            let st = format!("{}/{} (sa {})", w.namespace, w.name, w.service_account);
+            // The identity is what matters; an empty field is "not told".
+            if (!i.namespace.is_empty() && i.namespace != w.namespace)
+                || (!i.service_account.is_empty() && i.service_account != w.service_account)
+            {
+                return Err(PodError::IdentityMismatch { uid: uid.into(), cni, state: st });
+            }
+        }
+        let fd = fd.ok_or_else(|| PodError::NoNetns(uid.into()))?;
+        let new_id = super::netns::netns_id(std::os::fd::AsFd::as_fd(&fd))
+            .map_err(|e| PodError::Netns { uid: uid.into(), error: e.to_string() })?;
+        if let Some(old) = self.held_netns(uid) {
+            if old == new_id {
+                tracing::info!(uid, netns = %new_id, "pod already enrolled in this namespace");
+                return Ok(());
+            }
+            tracing::info!(uid, old = %old, new = %new_id, "pod re-created: replacing it");
+            self.remove(uid).await;
+        }
+        let netns = Arc::new(
+            Netns::enter(fd, uid)
+                .map_err(|e| PodError::Netns { uid: uid.into(), error: e.to_string() })?,
+        );
+        let mut addrs = Vec::new();
+        if w.ips.iter().any(|ip| ip.is_ipv4()) {
+            addrs.push(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        }
+        if w.ips.iter().any(|ip| ip.is_ipv6()) {
+            addrs.push(IpAddr::V6(Ipv6Addr::UNSPECIFIED));
+        }
+        let mut bound = Vec::new();
+        for ip in addrs {
+            for port in [OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, INBOUND_PORT] {
+                let addr = SocketAddr::new(ip, port);
+                match socket::listen_in(&netns, addr).await {
+                    Ok(l) => bound.push((port, l)),
+                    // A namespace without IPv6 (disabled, or no kernel support): IPv4 only.
+                    Err(e)
+                        if ip.is_ipv6()
+                            && matches!(
+                                e.raw_os_error(),
+                                Some(libc::EAFNOSUPPORT | libc::EADDRNOTAVAIL)
+                            ) =>
+                    {
+                        tracing::warn!(uid, error = %e,
+                            "pod has an IPv6 address but its namespace has no IPv6: capturing IPv4 only");
+                        break;
+                    }
+                    Err(e) => {
+                        return Err(PodError::Listen {
+                            uid: uid.into(),
+                            addr,
+                            error: e.to_string(),
+                        })
+                    }
+                }
+            }
+        }
+        let id = state.identity_of(&w);
+        let store = self.store.clone();
+        let id2 = id.clone();
+        tokio::task::spawn_blocking(move || store.fetch(&id2))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|r| r.map(|_| ()).map_err(|e| e.to_string()))
+            .map_err(|error| PodError::Certificate {
+                uid: uid.into(),
+                identity: id.to_string(),
+                error,
+            })?;
+        let mut listeners = Vec::new();
+        for (port, l) in bound {
+            let ctx = self.ctx.clone();
+            let ns = netns.clone();
+            let drain = ctx.drain.clone();
+            listeners.push(match port {
+                OUTBOUND_PORT => {
+                    tokio::spawn(proxy::accept_loop("pod_outbound", l, drain, move |s, p| {
+                        proxy::outbound::handle(ctx.clone(), s, p, Some(ns.clone()))
+                    }))
+                }
+                INBOUND_PORT => {
+                    tokio::spawn(proxy::accept_loop("pod_inbound", l, drain, move |s, p| {
+                        proxy::inbound::handle_hbone(ctx.clone(), s, p, Some(ns.clone()))
+                    }))
+                }
+                _ => tokio::spawn(proxy::accept_loop(
+                    "pod_inbound_plaintext",
+                    l,
+                    drain,
+                    move |s, p| {
+                        proxy::inbound::handle_plaintext(ctx.clone(), s, p, Some(ns.clone()))
+                    },
+                )),
+            });
+        }
+        state.set_enrolled(uid, true);
+        tracing::info!(uid, workload = %w.name, identity = %id, netns = %netns.id(), ips = ?w.ips,
+            "pod enrolled: listening on 15001/15006/15008 in its network namespace");
+        let mut pods = self.pods.lock().unwrap();
+        pods.insert(uid.into(), Pod { netns, ips: w.ips.clone(), listeners });
+        self.metrics.pods.set(pods.len() as i64);
+        Ok(())
+    }
+
+    fn held_netns(&self, uid: &str) -> Option<NetnsId> {
+        self.pods.lock().unwrap().get(uid).map(|p| p.netns.id())
+    }
+
+    /// Removes a pod: its listeners are closed when this returns; connections in flight finish
+    /// on their own. Returns whether it was held.
+    pub async fn remove(&self, uid: &str) -> bool {
+        let pod = {
+            let mut pods = self.pods.lock().unwrap();
+            let pod = pods.remove(uid);
+            self.metrics.pods.set(pods.len() as i64);
+            pod
+        };
+        let Some(pod) = pod else { return false };
+        self.ctx.state.set_enrolled(uid, false);
+        for t in &pod.listeners {
+            t.abort();
+        }
+        for t in pod.listeners {
+            let _ = t.await;
+        }
+        for ip in &pod.ips {
+            self.ctx.pool.forget_source(*ip);
+        }
+        tracing::info!(uid, netns = %pod.netns.id(), "pod removed: listeners closed");
+        true
+    }
+
+    /// After a snapshot: removes every pod not in `seen`; returns the removed uids.
+    pub async fn reconcile(&self, seen: &HashSet<String>) -> Vec<String> {
+        let stale: Vec<String> = self.uids().into_iter().filter(|u| !seen.contains(u)).collect();
+        for uid in &stale {
+            tracing::info!(uid, "pod not in the CNI's snapshot: removing it");
+            self.remove(uid).await;
+        }
+        stale
+    }
+}

@@ -1,0 +1,599 @@
+//! In-pod mode end to end, in network namespaces: two simulated nodes, pods enrolled by a fake
+//! CNI that speaks ZDS over a real SEQPACKET socket (netns fds as SCM_RIGHTS) and installs the
+//! redirect rules; node proxies run in-process on runtimes whose threads live in the node
+//! namespaces. Needs root; prints why and skips otherwise.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::netns::{runtime_in, Pod, Sim};
+use common::{metric, temp_dir};
+use mbtunnel::app::Running;
+use mbtunnel::config::Config;
+use mbtunnel::inpod::uds::{SeqPacket, SeqPacketListener};
+use mbtunnel::inpod::zds::{
+    ResponsePayload, WorkloadInfo, WorkloadRequest, WorkloadResponse, ZdsHello,
+};
+use mbtunnel::redirect::{self, Backend};
+use prost::Message;
+
+const CLIENT: &str = "spiffe://cluster.local/ns/demo/sa/client";
+const ECHO: &str = "spiffe://cluster.local/ns/demo/sa/echo";
+
+/// The mesh every node knows (as xDS would tell it): uid, name, sa, pod (node, index).
+const PODS: &[(&str, &str, &str, u8, u8)] = &[
+    ("client-uid", "client", "client", 1, 2),
+    ("client2-uid", "client2", "client2", 1, 3),
+    ("stale-uid", "stale", "stale", 1, 4),
+    ("legacy-uid", "legacy", "legacy", 1, 5),
+    ("echo-uid", "echo", "echo", 2, 2),
+    ("plain-uid", "plain", "plain", 2, 3),
+];
+
+fn mesh_yaml(node: u8, ca: &Path, cni: &Path) -> Config {
+    let mut y = format!(
+        "node_name: node-{node}\nca_dir: {}\ninpod_enabled: true\ninpod_socket: {}\n\
+         drain_timeout_secs: 1\noutbound_addr: 127.0.0.1:0\ninbound_addr: 127.0.0.1:0\n\
+         inbound_plaintext_addr: 127.0.0.1:0\nmetrics_addr: 127.0.0.1:0\nreadiness_addr: 127.0.0.1:0\n\
+         admin_addr: 127.0.0.1:0\nworkloads:\n",
+        ca.display(),
+        cni.display()
+    );
+    for (uid, name, sa, n, p) in PODS {
+        // legacy and plain pods are not in the mesh: TCP, never enrolled.
+        let proto = if *name == "legacy" || *name == "plain" { "TCP" } else { "HBONE" };
+        y += &format!(
+            "  - {{uid: {uid}, name: {name}, namespace: demo, service_account: {sa}, \
+             ips: [\"10.0.{n}.{p}\", \"fd00:{n}::{p}\"], node: node-{n}, protocol: {proto}}}\n"
+        );
+    }
+    Config::from_yaml(&y, Path::new("inpod-test.yaml")).expect("mesh yaml")
+}
+
+/// A fake istio-cni node agent: a ZDS server on a SEQPACKET socket.
+struct Cni {
+    rt: tokio::runtime::Runtime,
+    listener: SeqPacketListener,
+    conn: Option<SeqPacket>,
+    path: PathBuf,
+}
+
+impl Cni {
+    fn new(path: PathBuf) -> Cni {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let listener =
+            rt.block_on(async { SeqPacketListener::bind(&path) }).expect("bind CNI socket");
+        Cni { rt, listener, conn: None, path }
+    }
+
+    /// Waits for the proxy to connect and checks its hello.
+    fn accept(&mut self) {
+        let conn = self.rt.block_on(async {
+            tokio::time::timeout(Duration::from_secs(10), self.listener.accept()).await
+        });
+        let conn = conn.expect("proxy did not connect to the CNI").unwrap();
+        let p = self.rt.block_on(conn.recv()).unwrap().expect("hello");
+        let hello = ZdsHello::decode(&p.data[..]).expect("ZdsHello");
+        assert_eq!(hello.version, 1, "ZdsHello V1");
+        self.conn = Some(conn);
+    }
+
+    /// Sends raw bytes (+ fds) and returns the ack's error text ("" = ok).
+    fn send_raw(&self, data: &[u8], fds: &[&OwnedFd]) -> String {
+        let conn = self.conn.as_ref().expect("connected");
+        let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+        self.rt.block_on(async {
+            conn.send(data, &fds).await.expect("send");
+            let p = tokio::time::timeout(Duration::from_secs(20), conn.recv())
+                .await
+                .expect("ack timed out")
+                .unwrap()
+                .expect("proxy closed the connection");
+            match WorkloadResponse::decode(&p.data[..]).expect("WorkloadResponse").payload {
+                Some(ResponsePayload::Ack(a)) => a.error,
+                None => panic!("response without ack"),
+            }
+        })
+    }
+
+    fn send(&self, req: WorkloadRequest, fd: Option<&OwnedFd>) -> String {
+        self.send_raw(&req.encode_to_vec(), &fd.into_iter().collect::<Vec<_>>())
+    }
+
+    /// What istio-cni does for a new pod: rules in its netns, then AddWorkload with the fd.
+    fn enroll(&self, pod: &Pod, uid: &str, backend: Backend) -> String {
+        redirect::apply(backend, &pod.path()).expect("redirect rules");
+        let (name, sa) = PODS.iter().find(|p| p.0 == uid).map(|p| (p.1, p.2)).unwrap_or(("?", "?"));
+        let info = WorkloadInfo {
+            name: name.into(),
+            namespace: "demo".into(),
+            service_account: sa.into(),
+        };
+        self.send(WorkloadRequest::add(uid, Some(info)), Some(&pod.fd()))
+    }
+
+    fn disconnect(&mut self) {
+        self.conn = None;
+    }
+}
+
+impl Drop for Cni {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// A node proxy running in its node's namespace.
+struct Node {
+    rt: tokio::runtime::Runtime,
+    running: Option<Running>,
+}
+
+impl Node {
+    fn start(sim: &Sim, n: u8, cfg: Config) -> Node {
+        let rt = runtime_in(&sim.node_ns(n));
+        // Spawned, so that app::start itself runs on a thread inside the node namespace.
+        let running = rt
+            .block_on(async { tokio::spawn(mbtunnel::app::start(cfg, None)).await })
+            .unwrap()
+            .expect("start node proxy");
+        Node { rt, running: Some(running) }
+    }
+    fn r(&self) -> &Running {
+        self.running.as_ref().unwrap()
+    }
+    fn metrics(&self) -> String {
+        self.r().metrics_text()
+    }
+    fn pods(&self) -> Vec<String> {
+        self.r().inpod.as_ref().unwrap().uids()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(r) = self.running.take() {
+            self.rt.block_on(async { tokio::spawn(r.shutdown()).await.ok() });
+        }
+    }
+}
+
+/// An echo server inside a pod on port 8080 (one dual-stack socket); records who connected
+/// (IPv4 peers as plain IPv4).
+fn echo_in(pod: &Pod) -> Arc<Mutex<Vec<SocketAddr>>> {
+    let peers = Arc::new(Mutex::new(Vec::new()));
+    let l = pod.run(move || TcpListener::bind("[::]:8080")).expect("echo bind");
+    let p = peers.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let peer = s.peer_addr().unwrap();
+            p.lock().unwrap().push(SocketAddr::new(peer.ip().to_canonical(), peer.port()));
+            std::thread::spawn(move || {
+                let mut r = s.try_clone().unwrap();
+                let _ = std::io::copy(&mut r, &mut s);
+                let _ = s.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    peers
+}
+
+/// Connects from inside `pod` to `dst` (a socket created in the pod, then used from here).
+fn connect_from(pod: &Pod, dst: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = pod.run(move || TcpStream::connect_timeout(&dst, Duration::from_secs(5)))?;
+    s.set_read_timeout(Some(Duration::from_secs(20)))?;
+    Ok(s)
+}
+
+/// Sends `n` bytes, half-closes, checks they come back.
+fn round_trip(mut s: TcpStream, n: usize) {
+    let data = common::pattern(n, n as u32);
+    let mut w = s.try_clone().unwrap();
+    let d2 = data.clone();
+    let t = std::thread::spawn(move || {
+        w.write_all(&d2).unwrap();
+        w.shutdown(std::net::Shutdown::Write).unwrap();
+    });
+    let mut back = Vec::new();
+    s.read_to_end(&mut back).expect("read echo");
+    t.join().unwrap();
+    assert_eq!(back.len(), data.len());
+    assert!(back == data, "echo differs");
+}
+
+fn wait(what: &str, f: impl Fn() -> bool) {
+    let end = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+fn sa(addr: IpAddr, port: u16) -> SocketAddr {
+    SocketAddr::new(addr, port)
+}
+
+struct Cluster {
+    // Field order = drop order: proxies first, then CNIs, then namespaces.
+    n1: Node,
+    n2: Node,
+    cni1: Cni,
+    cni2: Cni,
+    dir: PathBuf,
+    sim: Sim,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn cluster(tag: &str) -> Cluster {
+    let mut sim = Sim::new();
+    sim.add_node(1);
+    sim.add_node(2);
+    let dir = temp_dir(&format!("inpod-{tag}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (s1, s2) = (dir.join("cni-1.sock"), dir.join("cni-2.sock"));
+    let mut cni1 = Cni::new(s1.clone());
+    let mut cni2 = Cni::new(s2.clone());
+    let ca = dir.join("ca");
+    let n1 = Node::start(&sim, 1, mesh_yaml(1, &ca, &s1));
+    let n2 = Node::start(&sim, 2, mesh_yaml(2, &ca, &s2));
+    cni1.accept();
+    cni2.accept();
+    assert!(!n1.r().is_ready(), "not ready before the CNI's snapshot");
+    Cluster { n1, n2, cni1, cni2, dir, sim }
+}
+
+fn snapshot(c: &Cni) {
+    assert_eq!(c.send(WorkloadRequest::snapshot_sent(), None), "");
+}
+
+#[test]
+fn client_pod_to_server_pod_over_hbone_mtls_both_sides_captured() {
+    require_netns!();
+    let t0 = Instant::now();
+    let c = cluster("mtls");
+    let client = c.sim.add_pod(1, 2);
+    let echo = c.sim.add_pod(2, 2);
+    let peers = echo_in(&echo);
+    assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
+    assert_eq!(c.cni2.enroll(&echo, "echo-uid", Backend::Nftables), "");
+    snapshot(&c.cni1);
+    snapshot(&c.cni2);
+    assert!(c.n1.r().is_ready() && c.n2.r().is_ready());
+
+    // A plain TCP connect from the client pod to the echo pod's IP: captured on both sides.
+    round_trip(connect_from(&client, sa(echo.v4, 8080)).unwrap(), 256 * 1024);
+    assert_eq!(peers.lock().unwrap()[0].ip(), client.v4, "the app sees the client pod's IP");
+    wait("closed on both sides", || {
+        metric(&c.n2.metrics(), "istio_tcp_connections_closed_total", &["mutual_tls"]) == Some(1.0)
+            && metric(&c.n1.metrics(), "istio_tcp_connections_closed_total", &["mutual_tls"])
+                == Some(1.0)
+    });
+    for (node, reporter) in [(&c.n1, "source"), (&c.n2, "destination")] {
+        let t = node.metrics();
+        let l = [
+            &*format!("reporter=\"{reporter}\""),
+            &*format!("source_principal=\"{CLIENT}\""),
+            &*format!("destination_principal=\"{ECHO}\""),
+            "connection_security_policy=\"mutual_tls\"",
+        ];
+        assert_eq!(
+            metric(&t, "istio_tcp_connections_opened_total", &l),
+            Some(1.0),
+            "{reporter}\n{t}"
+        );
+        assert_eq!(
+            metric(&t, "istio_tcp_received_bytes_total", &l),
+            Some(256.0 * 1024.0),
+            "{reporter}"
+        );
+    }
+    // The HBONE handshake happened between the proxies (client side on node 1).
+    assert_eq!(
+        metric(&c.n1.metrics(), "mbtunnel_tls_handshakes_total", &["side=\"client\"", "success"]),
+        Some(1.0)
+    );
+
+    // IPv6 through the same pods (dual stack): the app sees the client's IPv6 address.
+    if let Some(why) = common::netns::ipv6_skip_reason() {
+        eprintln!("SKIPPED the IPv6 part: {why}");
+        return;
+    }
+    round_trip(connect_from(&client, sa(echo.v6, 8080)).unwrap(), 4096);
+    assert!(
+        peers.lock().unwrap().iter().any(|p| p.ip() == client.v6),
+        "{:?}",
+        peers.lock().unwrap()
+    );
+    wait("IPv6 connection counted", || {
+        metric(&c.n2.metrics(), "istio_tcp_connections_closed_total", &["mutual_tls"]) == Some(2.0)
+    });
+    eprintln!("mtls test: {:?}", t0.elapsed());
+}
+
+#[test]
+fn pods_come_and_go_while_traffic_flows_and_snapshot_removes_stale() {
+    require_netns!();
+    let t0 = Instant::now();
+    let mut c = cluster("churn");
+    let client = c.sim.add_pod(1, 2);
+    let stale = c.sim.add_pod(1, 4);
+    let echo = c.sim.add_pod(2, 2);
+    let _peers = echo_in(&echo);
+    for (pod, uid) in [(&client, "client-uid"), (&stale, "stale-uid")] {
+        assert_eq!(c.cni1.enroll(pod, uid, Backend::Iptables), "");
+    }
+    assert_eq!(c.cni2.enroll(&echo, "echo-uid", Backend::Iptables), "");
+    snapshot(&c.cni1);
+    snapshot(&c.cni2);
+
+    // A long connection from the client pod, in flight through everything below.
+    let mut long = connect_from(&client, sa(echo.v4, 8080)).unwrap();
+    let echo_once = |s: &mut TcpStream, msg: &[u8]| {
+        s.write_all(msg).unwrap();
+        let mut b = vec![0; msg.len()];
+        s.read_exact(&mut b).unwrap();
+        assert_eq!(b, msg);
+    };
+    echo_once(&mut long, b"before");
+
+    // A second client pod appears: its listeners open, its traffic is mTLS as client2.
+    let client2 = c.sim.add_pod(1, 3);
+    assert_eq!(c.cni1.enroll(&client2, "client2-uid", Backend::Nftables), "");
+    round_trip(connect_from(&client2, sa(echo.v4, 8080)).unwrap(), 1000);
+    wait("client2 counted", || {
+        metric(
+            &c.n2.metrics(),
+            "istio_tcp_connections_opened_total",
+            &["source_principal=\"spiffe://cluster.local/ns/demo/sa/client2\"", "mutual_tls"],
+        ) == Some(1.0)
+    });
+    echo_once(&mut long, b"during");
+
+    // client2 is deleted: its listeners close; the client's connection does not notice.
+    assert_eq!(c.cni1.send(WorkloadRequest::del("client2-uid"), None), "");
+    assert!(connect_from(&client2, "127.0.0.1:15001".parse().unwrap()).is_err(), "15001 closed");
+    assert!(connect_from(&client2, sa(client2.v4, 15008)).is_err(), "15008 closed");
+    assert!(!c.n1.pods().contains(&"client2-uid".to_string()));
+    echo_once(&mut long, b"after delete");
+    drop(client2);
+
+    // The CNI restarts: it replays the client (same netns) but not `stale`, then the snapshot.
+    c.cni1.disconnect();
+    c.cni1.accept();
+    assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
+    snapshot(&c.cni1);
+    assert_eq!(c.n1.pods(), vec!["client-uid".to_string()], "stale pod reconciled away");
+    assert_eq!(metric(&c.n1.metrics(), "mbtunnel_inpod_pods", &[]), Some(1.0));
+    assert_eq!(metric(&c.n1.metrics(), "mbtunnel_zds_connections_total", &[]), Some(2.0));
+    assert!(
+        connect_from(&stale, "127.0.0.1:15001".parse().unwrap()).is_err(),
+        "stale's listener closed"
+    );
+    echo_once(&mut long, b"after snapshot");
+    long.shutdown(std::net::Shutdown::Write).unwrap();
+    // New connections from the client still work after all that.
+    round_trip(connect_from(&client, sa(echo.v4, 8080)).unwrap(), 1000);
+    eprintln!("churn test: {:?}", t0.elapsed());
+}
+
+#[test]
+fn malformed_zds_messages_are_nacked_and_the_proxy_keeps_serving() {
+    require_netns!();
+    let c = cluster("nack");
+    let client = c.sim.add_pod(1, 2);
+    let echo = c.sim.add_pod(2, 2);
+    let _peers = echo_in(&echo);
+    assert_eq!(c.cni2.enroll(&echo, "echo-uid", Backend::Iptables), "");
+    snapshot(&c.cni2);
+    let fd = client.fd();
+    for (what, bytes, fds, want) in [
+        ("garbage", vec![0xff, 0xff, 0xff], vec![], "malformed"),
+        ("truncated field", vec![0x0a, 0x7f, 0x01], vec![&fd], "malformed"),
+        ("unknown message type", vec![0x22, 0x00], vec![], "without a payload"),
+        (
+            "add without fd",
+            WorkloadRequest::add("client-uid", None).encode_to_vec(),
+            vec![],
+            "without a network namespace",
+        ),
+        (
+            "unknown uid",
+            WorkloadRequest::add("nobody", None).encode_to_vec(),
+            vec![&fd],
+            "no workload with this uid",
+        ),
+        (
+            "keep unknown",
+            WorkloadRequest::keep("client-uid").encode_to_vec(),
+            vec![],
+            "does not hold",
+        ),
+    ] {
+        let err = c.cni1.send_raw(&bytes, &fds);
+        assert!(err.contains(want), "{what}: ack error '{err}' should contain '{want}'");
+    }
+    let wrong = WorkloadInfo {
+        name: "client".into(),
+        namespace: "demo".into(),
+        service_account: "admin".into(),
+    };
+    let err = c.cni1.send(WorkloadRequest::add("client-uid", Some(wrong)), Some(&fd));
+    assert!(err.contains("mesh state says"), "{err}");
+    let t = c.n1.metrics();
+    assert_eq!(metric(&t, "mbtunnel_zds_requests_total", &["result=\"error\""]), Some(7.0), "{t}");
+    assert_eq!(
+        metric(&t, "mbtunnel_zds_requests_total", &["kind=\"malformed\""]),
+        Some(3.0),
+        "{t}"
+    );
+    assert_eq!(metric(&t, "mbtunnel_inpod_pods", &[]), Some(0.0), "{t}");
+    // Still serving: a good add after all that works, and traffic flows.
+    assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
+    snapshot(&c.cni1);
+    round_trip(connect_from(&client, sa(echo.v4, 8080)).unwrap(), 1000);
+
+    // The app dialling the proxy's own outbound port directly is a loop: closed, counted.
+    let mut s = connect_from(&client, "127.0.0.1:15001".parse().unwrap()).unwrap();
+    let mut b = Vec::new();
+    let _ = s.read_to_end(&mut b);
+    assert!(b.is_empty());
+    wait("loop refusal counted", || {
+        metric(&c.n1.metrics(), "mbtunnel_connections_refused_total", &["loop"]) == Some(1.0)
+    });
+    // A tunnel asking for the destination pod's own HBONE port is refused by its proxy.
+    let mut s = connect_from(&client, sa(echo.v4, 15008)).unwrap();
+    let _ = s.read_to_end(&mut b);
+    wait("CONNECT to a proxy port refused", || {
+        metric(&c.n2.metrics(), "mbtunnel_connections_refused_total", &["loop"]) == Some(1.0)
+    });
+}
+
+#[test]
+fn pod_outside_the_mesh_talks_plaintext_and_is_not_intercepted() {
+    require_netns!();
+    let c = cluster("plain");
+    let legacy = c.sim.add_pod(1, 5); // never enrolled, no rules
+    let plain = c.sim.add_pod(2, 3); // never enrolled, no rules
+    let echo = c.sim.add_pod(2, 2);
+    let plain_peers = echo_in(&plain);
+    let echo_peers = echo_in(&echo);
+    assert_eq!(c.cni2.enroll(&echo, "echo-uid", Backend::Iptables), "");
+    snapshot(&c.cni1);
+    snapshot(&c.cni2);
+
+    // legacy → plain: nobody's proxy is involved.
+    round_trip(connect_from(&legacy, sa(plain.v4, 8080)).unwrap(), 1000);
+    assert_eq!(plain_peers.lock().unwrap()[0].ip(), legacy.v4);
+    // legacy → echo (enrolled): captured inbound on 15006, plaintext, source kept.
+    round_trip(connect_from(&legacy, sa(echo.v4, 8080)).unwrap(), 1000);
+    assert_eq!(echo_peers.lock().unwrap()[0].ip(), legacy.v4);
+    wait("plaintext inbound counted", || {
+        metric(&c.n2.metrics(), "istio_tcp_connections_closed_total", &["reporter=\"destination\""])
+            == Some(1.0)
+    });
+    let t2 = c.n2.metrics();
+    assert_eq!(
+        metric(
+            &t2,
+            "istio_tcp_connections_opened_total",
+            &[
+                "connection_security_policy=\"unknown\"",
+                &format!("destination_principal=\"{ECHO}\"")
+            ]
+        ),
+        Some(1.0),
+        "{t2}"
+    );
+    assert_eq!(metric(&t2, "istio_tcp_connections_opened_total", &["mutual_tls"]), None);
+    // Node 1's proxy saw none of it.
+    assert_eq!(metric(&c.n1.metrics(), "istio_tcp_connections_opened_total", &[]), None);
+}
+
+/// No namespaces needed: readiness waits for the CNI, and the proxy keeps retrying its socket
+/// (with backoff) until the CNI appears, and again after the CNI goes away.
+#[test]
+fn not_ready_until_the_cni_answers_and_reconnects_after_it_restarts() {
+    let dir = temp_dir("inpod-ready");
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("cni.sock");
+    let mut cfg = mesh_yaml(1, &dir.join("ca"), &sock);
+    for a in [
+        &mut cfg.outbound_addr,
+        &mut cfg.inbound_addr,
+        &mut cfg.inbound_plaintext_addr,
+        &mut cfg.metrics_addr,
+        &mut cfg.readiness_addr,
+        &mut cfg.admin_addr,
+    ] {
+        *a = "127.0.0.1:0".parse().unwrap();
+    }
+    let rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let running = rt.block_on(mbtunnel::app::start(cfg, None)).expect("start");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!running.is_ready(), "no CNI yet: not ready");
+    let mut cni = Cni::new(sock.clone());
+    cni.accept();
+    assert!(!running.is_ready(), "connected, snapshot not applied yet");
+    snapshot(&cni);
+    assert!(running.is_ready());
+    // The CNI restarts; the proxy reconnects and says hello again.
+    drop(cni);
+    let mut cni = Cni::new(sock);
+    cni.accept();
+    snapshot(&cni);
+    assert!(running.is_ready());
+    rt.block_on(running.shutdown());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Output of a command, without `#` comment lines (iptables-save stamps the time in them).
+fn out(args: &[&str]) -> String {
+    let o = std::process::Command::new(args[0]).args(&args[1..]).output().expect("spawn");
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    text.lines().filter(|l| !l.starts_with('#')).collect::<Vec<_>>().join("\n")
+}
+
+/// The operator's path: `mbtunnel redirect ... --netns`, applied twice (same as once), removed.
+#[test]
+fn redirect_subcommand_applies_idempotently_and_removes_cleanly() {
+    require_netns!();
+    let mut sim = Sim::new();
+    sim.add_node(1);
+    let pod = sim.add_pod(1, 2);
+    let bin = env!("CARGO_BIN_EXE_mbtunnel");
+    let path = pod.path();
+    let p = path.to_str().unwrap();
+    let ns = &pod.name;
+    for backend in ["iptables", "nftables"] {
+        let show = || match backend {
+            "iptables" => out(&["ip", "netns", "exec", ns, "iptables-save"]),
+            _ => out(&["ip", "netns", "exec", ns, "nft", "list", "ruleset"]),
+        };
+        let rules_v6 = || out(&["ip", "netns", "exec", ns, "ip6tables-save"]);
+        let ip_rules = || out(&["ip", "-n", ns, "rule", "show"]);
+        sh_ok(&[bin, "redirect", backend, "apply", "--netns", p]);
+        let once = show();
+        assert!(
+            once.contains("15001") && once.contains("15006") && once.contains("15008"),
+            "{once}"
+        );
+        assert!(ip_rules().contains("lookup 100"), "{}", ip_rules());
+        sh_ok(&[bin, "redirect", backend, "apply", "--netns", p]);
+        assert_eq!(show(), once, "{backend}: applying twice equals once");
+        assert_eq!(ip_rules().matches("lookup 100").count(), 1);
+        if backend == "iptables" && common::netns::ipv6_skip_reason().is_none() {
+            assert!(rules_v6().contains("--to-ports 15001"), "{}", rules_v6());
+        }
+        sh_ok(&[bin, "redirect", backend, "remove", "--netns", p]);
+        let after = show();
+        assert!(!after.contains("MBT_") && !after.contains("mbtunnel"), "{backend}: {after}");
+        assert!(!ip_rules().contains("lookup 100"));
+    }
+    // A namespace that does not exist is a clear error.
+    let o = std::process::Command::new(bin)
+        .args(["redirect", "iptables", "apply", "--netns", "/var/run/netns/mbt-no-such-ns"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("cannot enter network namespace /var/run/netns/mbt-no-such-ns"), "{e}");
+}
+
+fn sh_ok(args: &[&str]) {
+    let o = std::process::Command::new(args[0]).args(&args[1..]).output().expect("spawn");
+    assert!(o.status.success(), "{}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
+}
