@@ -283,9 +283,10 @@ async fn a_faulty_lane_fails_only_its_handshake() {
     for (i, k) in keys.iter().enumerate() {
         let (s, k) = (signer.clone(), k.clone());
         queued.push(tokio::spawn(async move { s.sign(k, vec![i as u8; 40], alg).await }));
-    }
-    while signer.queue_depth() < 4 {
-        tokio::task::yield_now().await;
+        // One at a time, so that request i is lane i of the batch.
+        while signer.queue_depth() < i + 1 {
+            tokio::task::yield_now().await;
+        }
     }
     signer.inject_fault_next_batch(0b0100);
     signer.hold(false);
