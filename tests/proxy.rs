@@ -203,14 +203,7 @@ async fn peer_from_another_ca_is_refused_and_counted() {
         .await;
     let e = r.expect_err("a peer from another CA must not be accepted").to_string();
     assert!(e.contains("certificate"), "{e}");
-    assert!(
-        wait_for(|| metric(
-            &m.b.metrics_text(),
-            "mbtunnel_connections_refused_total",
-            &["tls_handshake"]
-        ) == Some(1.0))
-        .await
-    );
+    assert!(refused_once(&m.b, "tls_handshake").await);
     assert_eq!(
         metric(&m.b.metrics_text(), "mbtunnel_tls_handshakes_total", &["failure"]),
         Some(1.0)
@@ -259,14 +252,7 @@ async fn client_outside_trust_domain_is_refused() {
             assert!(!matches!(r, Ok(n) if n > 0), "server must not talk to a foreign trust domain");
         }
     }
-    assert!(
-        wait_for(|| metric(
-            &m.b.metrics_text(),
-            "mbtunnel_connections_refused_total",
-            &["tls_handshake"]
-        ) == Some(1.0))
-        .await
-    );
+    assert!(refused_once(&m.b, "tls_handshake").await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -331,4 +317,12 @@ async fn drain_lets_in_flight_connections_finish_and_refuses_new_ones() {
     let mut rest = Vec::new();
     r.read_to_end(&mut rest).await.unwrap();
     assert_eq!(shutdown.await.unwrap(), 0, "drained with nothing left open");
+}
+
+/// Waits until `proxy` has counted exactly one refusal for `reason`.
+async fn refused_once(proxy: &mbtunnel::app::Running, reason: &str) -> bool {
+    wait_for(|| {
+        metric(&proxy.metrics_text(), "mbtunnel_connections_refused_total", &[reason]) == Some(1.0)
+    })
+    .await
 }
