@@ -97,14 +97,10 @@ impl Netns {
         f: impl FnOnce() -> T + Send + 'static,
     ) -> io::Result<T> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.jobs
-            .lock()
-            .unwrap()
-            .send(Box::new(move || {
-                let _ = tx.send(f());
-            }))
-            .map_err(|_| io::Error::other(format!("netns thread of {} is gone", self.name)))?;
-        rx.await.map_err(|_| io::Error::other(format!("netns thread of {} is gone", self.name)))
+        self.submit(Box::new(move || {
+            let _ = tx.send(f());
+        }))?;
+        rx.await.map_err(|_| self.gone())
     }
 
     /// Runs `f` on the namespace's thread, blocking the caller (not for async contexts).
@@ -113,14 +109,19 @@ impl Netns {
         f: impl FnOnce() -> T + Send + 'static,
     ) -> io::Result<T> {
         let (tx, rx) = mpsc::channel();
-        self.jobs
-            .lock()
-            .unwrap()
-            .send(Box::new(move || {
-                let _ = tx.send(f());
-            }))
-            .map_err(|_| io::Error::other(format!("netns thread of {} is gone", self.name)))?;
-        rx.recv().map_err(|_| io::Error::other(format!("netns thread of {} is gone", self.name)))
+        self.submit(Box::new(move || {
+            let _ = tx.send(f());
+        }))?;
+        rx.recv().map_err(|_| self.gone())
+    }
+
+    /// Hands a job to the namespace's thread.
+    fn submit(&self, job: Job) -> io::Result<()> {
+        self.jobs.lock().unwrap().send(job).map_err(|_| self.gone())
+    }
+
+    fn gone(&self) -> io::Error {
+        io::Error::other(format!("netns thread of {} is gone", self.name))
     }
 
     /// A non-blocking TCP socket in this namespace.
