@@ -420,30 +420,8 @@ fn dudect_fixed_vs_random_nonce() {
             obs.push((*class, dt)); // after warm-up
         }
     }
-    // As dudect does, also test after cropping the slow tail (preemption on a shared machine
-    // produces outliers of milliseconds that swamp the means).
-    let mut sorted: Vec<f64> = obs.iter().map(|o| o.1).collect();
-    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    for pct in [50usize, 90, 100] {
-        let cut = sorted[(sorted.len() * pct / 100).min(sorted.len() - 1)];
-        let mut st = [(0f64, 0f64, 0f64); 2];
-        for &(c, dt) in obs.iter().filter(|o| o.1 <= cut) {
-            st[c].0 += dt;
-            st[c].1 += dt * dt;
-            st[c].2 += 1.0;
-        }
-        let mv = |s: &(f64, f64, f64)| {
-            let m = s.0 / s.2;
-            (m, (s.1 / s.2 - m * m).max(0.0), s.2)
-        };
-        let (m0, v0, n0) = mv(&st[0]);
-        let (m1, v1, n1) = mv(&st[1]);
-        let t = (m0 - m1) / (v0 / n0 + v1 / n1).sqrt();
-        println!(
-            "dudect (samples <= p{pct}): fixed mean {m0:.0} ns (n={n0}), random mean {m1:.0} ns \
-             (n={n1}), Welch t = {t:.2}"
-        );
-    }
+    // As dudect does, also test after cropping the slow tail.
+    mbtunnel::mb::timing::report_cropped("dudect", &obs, &[50, 90, 100]);
     println!("|t| < 4.5: no evidence of a timing difference between the classes");
 }
 

@@ -358,14 +358,7 @@ fn dudect_timing_report() {
     if !ifma() {
         return;
     }
-    fn welch(a: &[f64], b: &[f64]) -> f64 {
-        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
-        let var = |x: &[f64], m: f64| {
-            x.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / (x.len() - 1) as f64
-        };
-        let (ma, mb) = (mean(a), mean(b));
-        (ma - mb) / (var(a, ma) / a.len() as f64 + var(b, mb) / b.len() as f64).sqrt()
-    }
+    use mbtunnel::mb::timing::welch_t as welch;
     /// Drops the slowest 10% (preemption on a shared machine) before the test.
     fn crop(mut v: Vec<f64>) -> Vec<f64> {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());

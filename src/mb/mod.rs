@@ -10,6 +10,8 @@ use std::sync::OnceLock;
 
 pub mod p256;
 pub mod rsa;
+#[doc(hidden)]
+pub mod timing;
 pub use rsa::{RsaBatch, RsaPrivateKey};
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;

@@ -771,25 +771,5 @@ fn dudect_kernel() {
             obs.push((*class, dt));
         }
     }
-    let mut sorted: Vec<f64> = obs.iter().map(|o| o.1).collect();
-    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    for pct in [10usize, 50, 90, 100] {
-        let cut = sorted[(sorted.len() * pct / 100).min(sorted.len() - 1)];
-        let mut st = [(0f64, 0f64, 0f64); 2];
-        for &(c, dt) in obs.iter().filter(|o| o.1 <= cut) {
-            st[c].0 += dt;
-            st[c].1 += dt * dt;
-            st[c].2 += 1.0;
-        }
-        let mv = |s: &(f64, f64, f64)| {
-            let m = s.0 / s.2;
-            (m, (s.1 / s.2 - m * m).max(0.0), s.2)
-        };
-        let (m0, v0, n0) = mv(&st[0]);
-        let (m1, v1, n1) = mv(&st[1]);
-        let t = (m0 - m1) / (v0 / n0 + v1 / n1).sqrt();
-        println!(
-            "kernel dudect (<= p{pct}): fixed {m0:.0} ns (n={n0}), random {m1:.0} ns (n={n1}), t = {t:.2}"
-        );
-    }
+    crate::mb::timing::report_cropped("kernel dudect", &obs, &[10, 50, 90, 100]);
 }
