@@ -14,6 +14,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
 use crate::proxy::Drain;
+use crate::redirect::ebpf::{EbpfRedirect, Role};
 
 pub type Body = Full<Bytes>;
 
@@ -52,10 +53,83 @@ where
 /// Changes the log filter at run time (`/logging?level=debug`).
 pub type LogControl = Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
 
-/// Parses `level=...` from a query string.
-pub fn level_param(query: Option<&str>) -> Option<String> {
+/// The value of `name=...` in a query string (the few escapes our values need decoded).
+pub fn query_param(query: Option<&str>, name: &str) -> Option<String> {
     query?
         .split('&')
-        .find_map(|kv| kv.strip_prefix("level="))
-        .map(|v| v.replace("%3D", "=").replace("%2C", ","))
+        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        .map(|v| v.replace("%3D", "=").replace("%2C", ",").replace("%3A", ":"))
+}
+
+/// Parses `level=...` from a query string.
+pub fn level_param(query: Option<&str>) -> Option<String> {
+    query_param(query, "level")
+}
+
+/// The eBPF redirect's admin endpoints (what `mbtunnel redirect ebpf ...` calls):
+/// `GET /redirect/ebpf`, `POST /redirect/ebpf/attach?iface=..&role=pod|uplink`,
+/// `POST /redirect/ebpf/detach?iface=..`, `POST /redirect/ebpf/enrol?ip=..`,
+/// `POST /redirect/ebpf/unenrol?ip=..`.
+pub fn ebpf_endpoint(
+    ebpf: Option<&EbpfRedirect>,
+    method: &http::Method,
+    path: &str,
+    query: Option<&str>,
+) -> Response<Body> {
+    let Some(e) = ebpf else {
+        return text(
+            StatusCode::CONFLICT,
+            "eBPF redirect is not enabled on this proxy (ebpf_enabled: true / MBTUNNEL_EBPF_ENABLED=true)\n",
+        );
+    };
+    let action = path.strip_prefix("/redirect/ebpf").unwrap_or("");
+    if action.is_empty() || action == "/" {
+        return text(StatusCode::OK, format!("{:#}\n", e.status()));
+    }
+    if method != http::Method::POST {
+        return text(StatusCode::METHOD_NOT_ALLOWED, "use POST\n");
+    }
+    let missing = |what: &str| text(StatusCode::BAD_REQUEST, format!("missing {what}=...\n"));
+    let result = match action {
+        "/attach" | "/detach" => {
+            let Some(iface) = query_param(query, "iface") else { return missing("iface") };
+            if action == "/detach" {
+                e.detach(&iface).map(|()| format!("detached {iface}\n"))
+            } else {
+                let role =
+                    match query_param(query, "role").as_deref().unwrap_or("pod").parse::<Role>() {
+                        Ok(r) => r,
+                        Err(m) => return text(StatusCode::BAD_REQUEST, m + "\n"),
+                    };
+                e.attach(&iface, role).map(|()| format!("attached {iface} as {role:?}\n"))
+            }
+        }
+        "/enrol" | "/unenrol" => {
+            let Some(ip) = query_param(query, "ip") else { return missing("ip") };
+            let Ok(ip) = ip.parse::<std::net::IpAddr>() else {
+                return text(StatusCode::BAD_REQUEST, format!("'{ip}' is not an IP address\n"));
+            };
+            if action == "/enrol" {
+                e.enrol(ip).map(|()| format!("enrolled {ip}\n"))
+            } else {
+                e.unenrol(ip).map(|was| {
+                    if was {
+                        format!("removed {ip}\n")
+                    } else {
+                        format!("{ip} was not enrolled\n")
+                    }
+                })
+            }
+        }
+        _ => {
+            return text(
+                StatusCode::NOT_FOUND,
+                "try /redirect/ebpf[/attach|/detach|/enrol|/unenrol]\n",
+            )
+        }
+    };
+    match result {
+        Ok(m) => text(StatusCode::OK, m),
+        Err(err) => text(StatusCode::BAD_REQUEST, format!("{err}\n")),
+    }
 }

@@ -19,6 +19,7 @@ use crate::identity::store::{humantime, CertStore};
 use crate::inpod::InPod;
 use crate::metrics::Metrics;
 use crate::proxy::{self, socket, Ctx, Drain};
+use crate::redirect::ebpf::{EbpfRedirect, Listeners, RedirectMetrics, Role};
 use crate::signer::{Signer, SignerConfig};
 use crate::state::State;
 use crate::tls::TlsProvider;
@@ -42,6 +43,8 @@ pub struct Running {
     pub store: Arc<CertStore>,
     /// In-pod mode: the pods enrolled by the CNI.
     pub inpod: Option<Arc<InPod>>,
+    /// eBPF redirect mode: the loaded classifiers (detached when the last reference drops).
+    pub ebpf: Option<Arc<EbpfRedirect>>,
     registry: Arc<Registry>,
     ready: Arc<AtomicBool>,
     /// False in in-pod mode until the CNI's first snapshot is applied; true otherwise.
@@ -78,6 +81,15 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     ));
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
+    let redirect_mode = match (cfg.ebpf_enabled, cfg.inpod_enabled) {
+        (true, _) => "ebpf",
+        (_, true) => "inpod",
+        _ => "external",
+    };
+    let redirect_metrics = RedirectMetrics::register(&mut registry, redirect_mode);
+    // The eBPF redirect hands connections to the listeners without NAT: they must accept
+    // non-local destinations and answer from them.
+    let transparent = cfg.transparent || cfg.ebpf_enabled;
     let signer = Signer::start(SignerConfig {
         threads: cfg.signer_threads,
         max_wait: Duration::from_micros(cfg.signer_max_wait_us),
@@ -99,11 +111,34 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         cfg.trust_domain.clone(),
         metrics.clone(),
     ));
-    let pool = Arc::new(Pool::new(tls.clone(), metrics.clone(), cfg.socket_mark, cfg.transparent));
+    let pool = Arc::new(Pool::new(tls.clone(), metrics.clone(), cfg.socket_mark, transparent));
 
-    let out_l = bind("outbound", cfg.outbound_addr, cfg.transparent)?;
-    let in_l = bind("inbound HBONE", cfg.inbound_addr, cfg.transparent)?;
-    let pt_l = bind("inbound plaintext", cfg.inbound_plaintext_addr, cfg.transparent)?;
+    let out_l = bind("outbound", cfg.outbound_addr, transparent)?;
+    let in_l = bind("inbound HBONE", cfg.inbound_addr, transparent)?;
+    let pt_l = bind("inbound plaintext", cfg.inbound_plaintext_addr, transparent)?;
+    let ebpf = if cfg.ebpf_enabled {
+        for (name, l) in
+            [("outbound", &out_l), ("inbound HBONE", &in_l), ("inbound plaintext", &pt_l)]
+        {
+            if !socket::is_transparent(l) {
+                anyhow::bail!(
+                    "eBPF redirect: the {name} listener could not be made IP_TRANSPARENT \
+                     (needs CAP_NET_ADMIN); without it redirected connections cannot be answered"
+                );
+            }
+        }
+        let e = EbpfRedirect::load(
+            Listeners { outbound: &out_l, hbone: &in_l, plaintext: &pt_l },
+            cfg.hbone_port,
+            redirect_metrics.clone(),
+        )?;
+        for u in &cfg.ebpf_uplinks {
+            e.attach(u, Role::Uplink)?;
+        }
+        Some(Arc::new(e))
+    } else {
+        None
+    };
     let metrics_l = bind("metrics", cfg.metrics_addr, false)?;
     let ready_l = bind("readiness", cfg.readiness_addr, false)?;
     let admin_l = bind("admin", cfg.admin_addr, false)?;
@@ -123,7 +158,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         metrics,
         drain: drain.clone(),
         mark: cfg.socket_mark,
-        transparent: cfg.transparent,
+        transparent,
         own_addrs: vec![bound.outbound, bound.inbound, bound.inbound_plaintext],
     });
     let inpod_metrics =
@@ -188,11 +223,16 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     }
 
     let reg = registry.clone();
+    let scrape_ebpf = ebpf.clone();
     tasks.push(tokio::spawn(admin::serve(metrics_l, drain.clone(), move |req| {
         let reg = reg.clone();
+        let ebpf = scrape_ebpf.clone();
         async move {
             match req.uri().path() {
                 "/metrics" | "/stats/prometheus" => {
+                    if let Some(e) = &ebpf {
+                        e.refresh_metrics();
+                    }
                     let mut s = String::new();
                     match prometheus_client::encoding::text::encode(&mut s, &reg) {
                         Ok(()) => {
@@ -230,19 +270,35 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let dump_ctx = ctx.clone();
     let dump_signer = signer.clone();
     let dump_inpod = inpod.clone();
+    let admin_ebpf = ebpf.clone();
     tasks.push(tokio::spawn(admin::serve(admin_l, drain.clone(), move |req| {
         let cfg = dump_cfg.clone();
         let store = dump_store.clone();
         let ctx = dump_ctx.clone();
         let signer = dump_signer.clone();
         let inpod = dump_inpod.clone();
+        let ebpf = admin_ebpf.clone();
         let log = log.clone();
         async move {
-            match req.uri().path() {
+            let path = req.uri().path();
+            if path == "/redirect/ebpf" || path.starts_with("/redirect/ebpf/") {
+                // Attaching runs netlink and bpf syscalls: off the async workers.
+                let (method, path, query) =
+                    (req.method().clone(), path.to_string(), req.uri().query().map(String::from));
+                return tokio::task::spawn_blocking(move || {
+                    admin::ebpf_endpoint(ebpf.as_deref(), &method, &path, query.as_deref())
+                })
+                .await
+                .unwrap_or_else(|e| text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
+            }
+            match path {
                 "/config_dump" => {
                     let mut v = config_dump(&cfg, &store, &ctx, &signer);
                     if let Some(p) = &inpod {
                         v["inpod_pods"] = json!(p.uids());
+                    }
+                    if let Some(e) = &ebpf {
+                        v["redirect"] = e.status();
                     }
                     let mut r =
                         text(StatusCode::OK, serde_json::to_string_pretty(&v).unwrap_or_default());
@@ -270,7 +326,10 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
                         text(StatusCode::NOT_IMPLEMENTED, "log level control not available\n")
                     }
                 },
-                _ => text(StatusCode::NOT_FOUND, "endpoints: /config_dump /logging?level=...\n"),
+                _ => text(
+                    StatusCode::NOT_FOUND,
+                    "endpoints: /config_dump /logging?level=... /redirect/ebpf\n",
+                ),
             }
         }
     })));
@@ -283,6 +342,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         ctx,
         store,
         inpod,
+        ebpf,
         registry,
         ready,
         zds_ready,
@@ -343,6 +403,9 @@ impl Running {
 
     /// The metrics in Prometheus text format.
     pub fn metrics_text(&self) -> String {
+        if let Some(e) = &self.ebpf {
+            e.refresh_metrics();
+        }
         let mut s = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut s, &self.registry);
         s

@@ -25,6 +25,9 @@ pub mod env {
     /// `true`/`false`: in-pod mode (the names ztunnel uses).
     pub const INPOD_ENABLED: &str = "INPOD_ENABLED";
     pub const INPOD_UDS: &str = "INPOD_UDS";
+    pub const EBPF_ENABLED: &str = "MBTUNNEL_EBPF_ENABLED";
+    /// Comma-separated interface names.
+    pub const EBPF_UPLINKS: &str = "MBTUNNEL_EBPF_UPLINKS";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -192,6 +195,12 @@ pub struct Config {
     pub inpod_enabled: bool,
     /// The CNI's ZDS socket (Unix SOCK_SEQPACKET).
     pub inpod_socket: PathBuf,
+    /// eBPF redirect mode: load our tc classifiers, which hand enrolled pods' connections to this
+    /// proxy's listeners without NAT (listeners become `IP_TRANSPARENT`). Pods' veths are
+    /// attached and pods enrolled at run time (`mbtunnel redirect ebpf ...`, admin API).
+    pub ebpf_enabled: bool,
+    /// eBPF mode: interfaces toward other nodes, attached (role uplink) at start-up.
+    pub ebpf_uplinks: Vec<String>,
     pub nodes: Vec<Node>,
     pub workloads: Vec<Workload>,
     pub services: Vec<Service>,
@@ -225,6 +234,8 @@ impl Default for Config {
             signer_scalar_below: None,
             inpod_enabled: false,
             inpod_socket: PathBuf::from("/var/run/ztunnel/ztunnel.sock"),
+            ebpf_enabled: false,
+            ebpf_uplinks: Vec::new(),
             nodes: Vec::new(),
             workloads: Vec::new(),
             services: Vec::new(),
@@ -275,17 +286,20 @@ impl Config {
                 ))
             })?;
         }
+        let flag = |name: &str, v: String| match v.trim() {
+            "true" | "1" => Ok(true),
+            "false" | "0" | "" => Ok(false),
+            _ => Err(ConfigError::Invalid(format!("{name}: '{v}' is not true or false"))),
+        };
         if let Some(v) = get(env::INPOD_ENABLED) {
-            self.inpod_enabled = match v.trim() {
-                "true" | "1" => true,
-                "false" | "0" | "" => false,
-                _ => {
-                    return Err(ConfigError::Invalid(format!(
-                        "{}: '{v}' is not true or false",
-                        env::INPOD_ENABLED
-                    )))
-                }
-            };
+            self.inpod_enabled = flag(env::INPOD_ENABLED, v)?;
+        }
+        if let Some(v) = get(env::EBPF_ENABLED) {
+            self.ebpf_enabled = flag(env::EBPF_ENABLED, v)?;
+        }
+        if let Some(v) = get(env::EBPF_UPLINKS) {
+            self.ebpf_uplinks =
+                v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
         }
         if let Some(v) = get(env::INPOD_UDS) {
             self.inpod_socket = v.into();
@@ -327,6 +341,12 @@ impl Config {
         }
         if self.inpod_enabled && self.inpod_socket.as_os_str().is_empty() {
             return bad("inpod_socket is empty".into());
+        }
+        if self.ebpf_enabled && self.inpod_enabled {
+            return bad("ebpf_enabled and inpod_enabled are two redirect modes: choose one".into());
+        }
+        if !self.ebpf_enabled && !self.ebpf_uplinks.is_empty() {
+            return bad("ebpf_uplinks is set but ebpf_enabled is false".into());
         }
         if self.signer_queue_limit == 0 {
             return bad("signer_queue_limit must be at least 1".into());
@@ -485,5 +505,22 @@ nodes:
         assert!(c.inpod_enabled && c.inpod_socket == Path::new("/tmp/zds.sock"));
         let e = c.apply_env(|k| (k == env::INPOD_ENABLED).then(|| "maybe".into())).unwrap_err();
         assert!(e.to_string().contains("INPOD_ENABLED"), "{e}");
+    }
+
+    #[test]
+    fn ebpf_mode_from_env_and_its_checks() {
+        let mut c = Config::default();
+        c.apply_env(|k| match k {
+            env::EBPF_ENABLED => Some("1".into()),
+            env::EBPF_UPLINKS => Some("eth0, ens5".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert!(c.ebpf_enabled);
+        assert_eq!(c.ebpf_uplinks, ["eth0", "ens5"]);
+        let e = c.apply_env(|k| (k == env::INPOD_ENABLED).then(|| "true".into())).unwrap_err();
+        assert!(e.to_string().contains("choose one"), "{e}");
+        let e = Config::from_yaml("ebpf_uplinks: [eth0]\n", Path::new("t.yaml")).unwrap_err();
+        assert!(e.to_string().contains("ebpf_enabled is false"), "{e}");
     }
 }

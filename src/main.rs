@@ -7,6 +7,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use mbtunnel::config::{env, Config, KeyAlgorithm, LogFormat};
+use mbtunnel::redirect::Backend;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing_subscriber::prelude::*;
 use tracing_subscriber::{reload, EnvFilter};
@@ -43,18 +44,10 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(Bench),
-    /// Install or remove in-pod redirect rules in a pod's network namespace (what istio-cni does):
-    /// outbound TCP → 15001, inbound → 15006 (15008 untouched), mark 0x539 skipped, connmark
-    /// 0x111 + table 100 for replies.
-    Redirect {
-        /// iptables (default in istio-cni) or nftables.
-        backend: mbtunnel::redirect::Backend,
-        /// apply or remove.
-        action: RedirectAction,
-        /// The namespace: /var/run/netns/NAME or /proc/PID/ns/net.
-        #[arg(long)]
-        netns: PathBuf,
-    },
+    /// Traffic capture: in-pod rules in a pod's namespace (iptables, nftables), or the eBPF
+    /// redirect of a node proxy running with ebpf_enabled.
+    #[command(subcommand)]
+    Redirect(RedirectCmd),
     /// Test helpers used by the demo: an echo server and a client.
     #[command(hide = true, subcommand)]
     Tool(Tool),
@@ -99,6 +92,139 @@ struct RunArgs {
 enum RedirectAction {
     Apply,
     Remove,
+}
+
+#[derive(Subcommand)]
+enum RedirectCmd {
+    /// Install or remove in-pod iptables rules in a pod's network namespace (what istio-cni
+    /// does): outbound TCP → 15001, inbound → 15006 (15008 untouched), mark 0x539 skipped,
+    /// connmark 0x111 + table 100 for replies.
+    Iptables {
+        /// apply or remove.
+        action: RedirectAction,
+        /// The namespace: /var/run/netns/NAME or /proc/PID/ns/net.
+        #[arg(long)]
+        netns: PathBuf,
+    },
+    /// The same rules as nftables (table inet mbtunnel).
+    Nftables {
+        /// apply or remove.
+        action: RedirectAction,
+        /// The namespace: /var/run/netns/NAME or /proc/PID/ns/net.
+        #[arg(long)]
+        netns: PathBuf,
+    },
+    /// eBPF redirect: attach the tc classifiers to interfaces and enrol pods, on the node proxy
+    /// running here with ebpf_enabled (through its admin API; the proxy owns programs and maps).
+    #[command(subcommand)]
+    Ebpf(EbpfCmd),
+}
+
+#[derive(clap::Args)]
+struct AdminArg {
+    /// The proxy's admin address.
+    #[arg(long, default_value = "127.0.0.1:15000")]
+    admin: std::net::SocketAddr,
+}
+
+#[derive(Subcommand)]
+enum EbpfCmd {
+    /// Attach a classifier: `--pod-netns` attaches the pod's veth (host side) and enrols the
+    /// pod's addresses; `--iface` attaches one interface with `--role` (pod, or uplink for the
+    /// node's interface toward other nodes).
+    Attach {
+        /// The pod's namespace (/var/run/netns/NAME or /proc/PID/ns/net).
+        #[arg(long, conflicts_with = "iface", required_unless_present = "iface")]
+        pod_netns: Option<PathBuf>,
+        /// An interface of this namespace.
+        #[arg(long)]
+        iface: Option<String>,
+        /// What the interface is (with --iface).
+        #[arg(long, default_value = "pod")]
+        role: mbtunnel::redirect::ebpf::Role,
+        #[command(flatten)]
+        admin: AdminArg,
+    },
+    /// Detach: `--pod-netns` removes the pod's addresses and detaches its veth; `--iface`
+    /// detaches one interface.
+    Detach {
+        #[arg(long, conflicts_with = "iface", required_unless_present = "iface")]
+        pod_netns: Option<PathBuf>,
+        #[arg(long)]
+        iface: Option<String>,
+        #[command(flatten)]
+        admin: AdminArg,
+    },
+    /// Enrol pod addresses: their next connections are captured.
+    Enrol {
+        #[arg(long, required = true)]
+        ip: Vec<std::net::IpAddr>,
+        #[command(flatten)]
+        admin: AdminArg,
+    },
+    /// Remove pod addresses: their next connections are not captured (open ones go on).
+    Unenrol {
+        #[arg(long, required = true)]
+        ip: Vec<std::net::IpAddr>,
+        #[command(flatten)]
+        admin: AdminArg,
+    },
+    /// Interfaces, enrolled addresses and packet counters, as JSON.
+    Status {
+        #[command(flatten)]
+        admin: AdminArg,
+    },
+}
+
+fn rules(backend: Backend, action: RedirectAction, netns: &std::path::Path) -> anyhow::Result<()> {
+    match action {
+        RedirectAction::Apply => mbtunnel::redirect::apply(backend, netns)?,
+        RedirectAction::Remove => mbtunnel::redirect::remove(backend, netns)?,
+    }
+    Ok(())
+}
+
+fn ebpf_cmd(cmd: EbpfCmd) -> anyhow::Result<()> {
+    use mbtunnel::redirect::control;
+    let mut out = String::new();
+    match cmd {
+        EbpfCmd::Attach { pod_netns: Some(ns), admin, .. } => {
+            let pod = control::pod_link(&ns)?;
+            out += &control::attach(admin.admin, &pod.host_iface, "pod")?;
+            for ip in pod.ips {
+                out += &control::enrol(admin.admin, ip, true)?;
+            }
+        }
+        EbpfCmd::Attach { iface: Some(i), role, admin, .. } => {
+            let role =
+                if role == mbtunnel::redirect::ebpf::Role::Uplink { "uplink" } else { "pod" };
+            out += &control::attach(admin.admin, &i, role)?;
+        }
+        EbpfCmd::Detach { pod_netns: Some(ns), admin, .. } => {
+            let pod = control::pod_link(&ns)?;
+            for ip in pod.ips {
+                out += &control::enrol(admin.admin, ip, false)?;
+            }
+            out += &control::detach(admin.admin, &pod.host_iface)?;
+        }
+        EbpfCmd::Detach { iface: Some(i), admin, .. } => out += &control::detach(admin.admin, &i)?,
+        EbpfCmd::Attach { .. } | EbpfCmd::Detach { .. } => {
+            anyhow::bail!("give --pod-netns or --iface")
+        }
+        EbpfCmd::Enrol { ip, admin } => {
+            for a in ip {
+                out += &control::enrol(admin.admin, a, true)?;
+            }
+        }
+        EbpfCmd::Unenrol { ip, admin } => {
+            for a in ip {
+                out += &control::enrol(admin.admin, a, false)?;
+            }
+        }
+        EbpfCmd::Status { admin } => out += &control::status(admin.admin)?,
+    }
+    print!("{out}");
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -375,12 +501,12 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Redirect { backend, action, netns } => {
-            match action {
-                RedirectAction::Apply => mbtunnel::redirect::apply(backend, &netns)?,
-                RedirectAction::Remove => mbtunnel::redirect::remove(backend, &netns)?,
-            }
-            Ok(())
+        Cmd::Redirect(RedirectCmd::Ebpf(cmd)) => ebpf_cmd(cmd),
+        Cmd::Redirect(RedirectCmd::Iptables { action, netns }) => {
+            rules(Backend::Iptables, action, &netns)
+        }
+        Cmd::Redirect(RedirectCmd::Nftables { action, netns }) => {
+            rules(Backend::Nftables, action, &netns)
         }
         Cmd::Run(a) => tokio::runtime::Runtime::new()?.block_on(run(a)),
         Cmd::Tool(t) => tokio::runtime::Runtime::new()?.block_on(tool(t)),

@@ -6,21 +6,16 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsFd, OwnedFd};
+use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::netns::{runtime_in, Pod, Sim};
+use common::cluster::{connect_from, echo_in, round_trip, sa, wait, Cni, Node};
+use common::netns::{Pod, Sim};
 use common::{metric, temp_dir};
-use mbtunnel::app::Running;
 use mbtunnel::config::Config;
-use mbtunnel::inpod::uds::{SeqPacket, SeqPacketListener};
-use mbtunnel::inpod::zds::{
-    ResponsePayload, WorkloadInfo, WorkloadRequest, WorkloadResponse, ZdsHello,
-};
-use mbtunnel::redirect::{self, Backend};
+use mbtunnel::inpod::zds::{WorkloadInfo, WorkloadRequest};
+use mbtunnel::redirect::Backend;
 use prost::Message;
 
 const CLIENT: &str = "spiffe://cluster.local/ns/demo/sa/client";
@@ -35,6 +30,12 @@ const PODS: &[(&str, &str, &str, u8, u8)] = &[
     ("echo-uid", "echo", "echo", 2, 2),
     ("plain-uid", "plain", "plain", 2, 3),
 ];
+
+/// Enrols `pod` as the PODS entry `uid` through the fake CNI.
+fn enroll(cni: &Cni, pod: &Pod, uid: &str, backend: Backend) -> String {
+    let (name, sa) = PODS.iter().find(|p| p.0 == uid).map(|p| (p.1, p.2)).unwrap_or(("?", "?"));
+    cni.enroll(pod, uid, name, sa, backend)
+}
 
 fn mesh_yaml(node: u8, ca: &Path, cni: &Path) -> Config {
     let mut y = format!(
@@ -54,170 +55,6 @@ fn mesh_yaml(node: u8, ca: &Path, cni: &Path) -> Config {
         );
     }
     Config::from_yaml(&y, Path::new("inpod-test.yaml")).expect("mesh yaml")
-}
-
-/// A fake istio-cni node agent: a ZDS server on a SEQPACKET socket.
-struct Cni {
-    rt: tokio::runtime::Runtime,
-    listener: SeqPacketListener,
-    conn: Option<SeqPacket>,
-    path: PathBuf,
-}
-
-impl Cni {
-    fn new(path: PathBuf) -> Cni {
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let listener =
-            rt.block_on(async { SeqPacketListener::bind(&path) }).expect("bind CNI socket");
-        Cni { rt, listener, conn: None, path }
-    }
-
-    /// Waits for the proxy to connect and checks its hello.
-    fn accept(&mut self) {
-        let conn = self.rt.block_on(async {
-            tokio::time::timeout(Duration::from_secs(10), self.listener.accept()).await
-        });
-        let conn = conn.expect("proxy did not connect to the CNI").unwrap();
-        let p = self.rt.block_on(conn.recv()).unwrap().expect("hello");
-        let hello = ZdsHello::decode(&p.data[..]).expect("ZdsHello");
-        assert_eq!(hello.version, 1, "ZdsHello V1");
-        self.conn = Some(conn);
-    }
-
-    /// Sends raw bytes (+ fds) and returns the ack's error text ("" = ok).
-    fn send_raw(&self, data: &[u8], fds: &[&OwnedFd]) -> String {
-        let conn = self.conn.as_ref().expect("connected");
-        let fds: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
-        self.rt.block_on(async {
-            conn.send(data, &fds).await.expect("send");
-            let p = tokio::time::timeout(Duration::from_secs(20), conn.recv())
-                .await
-                .expect("ack timed out")
-                .unwrap()
-                .expect("proxy closed the connection");
-            match WorkloadResponse::decode(&p.data[..]).expect("WorkloadResponse").payload {
-                Some(ResponsePayload::Ack(a)) => a.error,
-                None => panic!("response without ack"),
-            }
-        })
-    }
-
-    fn send(&self, req: WorkloadRequest, fd: Option<&OwnedFd>) -> String {
-        self.send_raw(&req.encode_to_vec(), &fd.into_iter().collect::<Vec<_>>())
-    }
-
-    /// What istio-cni does for a new pod: rules in its netns, then AddWorkload with the fd.
-    fn enroll(&self, pod: &Pod, uid: &str, backend: Backend) -> String {
-        redirect::apply(backend, &pod.path()).expect("redirect rules");
-        let (name, sa) = PODS.iter().find(|p| p.0 == uid).map(|p| (p.1, p.2)).unwrap_or(("?", "?"));
-        let info = WorkloadInfo {
-            name: name.into(),
-            namespace: "demo".into(),
-            service_account: sa.into(),
-        };
-        self.send(WorkloadRequest::add(uid, Some(info)), Some(&pod.fd()))
-    }
-
-    fn disconnect(&mut self) {
-        self.conn = None;
-    }
-}
-
-impl Drop for Cni {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
-
-/// A node proxy running in its node's namespace.
-struct Node {
-    rt: tokio::runtime::Runtime,
-    running: Option<Running>,
-}
-
-impl Node {
-    fn start(sim: &Sim, n: u8, cfg: Config) -> Node {
-        let rt = runtime_in(&sim.node_ns(n));
-        // Spawned, so that app::start itself runs on a thread inside the node namespace.
-        let running = rt
-            .block_on(async { tokio::spawn(mbtunnel::app::start(cfg, None)).await })
-            .unwrap()
-            .expect("start node proxy");
-        Node { rt, running: Some(running) }
-    }
-    fn r(&self) -> &Running {
-        self.running.as_ref().unwrap()
-    }
-    fn metrics(&self) -> String {
-        self.r().metrics_text()
-    }
-    fn pods(&self) -> Vec<String> {
-        self.r().inpod.as_ref().unwrap().uids()
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        if let Some(r) = self.running.take() {
-            self.rt.block_on(async { tokio::spawn(r.shutdown()).await.ok() });
-        }
-    }
-}
-
-/// An echo server inside a pod on port 8080 (one dual-stack socket); records who connected
-/// (IPv4 peers as plain IPv4).
-fn echo_in(pod: &Pod) -> Arc<Mutex<Vec<SocketAddr>>> {
-    let peers = Arc::new(Mutex::new(Vec::new()));
-    let l = pod.run(move || TcpListener::bind("[::]:8080")).expect("echo bind");
-    let p = peers.clone();
-    std::thread::spawn(move || {
-        for s in l.incoming() {
-            let Ok(mut s) = s else { return };
-            let peer = s.peer_addr().unwrap();
-            p.lock().unwrap().push(SocketAddr::new(peer.ip().to_canonical(), peer.port()));
-            std::thread::spawn(move || {
-                let mut r = s.try_clone().unwrap();
-                let _ = std::io::copy(&mut r, &mut s);
-                let _ = s.shutdown(std::net::Shutdown::Write);
-            });
-        }
-    });
-    peers
-}
-
-/// Connects from inside `pod` to `dst` (a socket created in the pod, then used from here).
-fn connect_from(pod: &Pod, dst: SocketAddr) -> std::io::Result<TcpStream> {
-    let s = pod.run(move || TcpStream::connect_timeout(&dst, Duration::from_secs(5)))?;
-    s.set_read_timeout(Some(Duration::from_secs(20)))?;
-    Ok(s)
-}
-
-/// Sends `n` bytes, half-closes, checks they come back.
-fn round_trip(mut s: TcpStream, n: usize) {
-    let data = common::pattern(n, n as u32);
-    let mut w = s.try_clone().unwrap();
-    let d2 = data.clone();
-    let t = std::thread::spawn(move || {
-        w.write_all(&d2).unwrap();
-        w.shutdown(std::net::Shutdown::Write).unwrap();
-    });
-    let mut back = Vec::new();
-    s.read_to_end(&mut back).expect("read echo");
-    t.join().unwrap();
-    assert_eq!(back.len(), data.len());
-    assert!(back == data, "echo differs");
-}
-
-fn wait(what: &str, f: impl Fn() -> bool) {
-    let end = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < end, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(25));
-    }
-}
-
-fn sa(addr: IpAddr, port: u16) -> SocketAddr {
-    SocketAddr::new(addr, port)
 }
 
 struct Cluster {
@@ -266,8 +103,8 @@ fn client_pod_to_server_pod_over_hbone_mtls_both_sides_captured() {
     let client = c.sim.add_pod(1, 2);
     let echo = c.sim.add_pod(2, 2);
     let peers = echo_in(&echo);
-    assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
-    assert_eq!(c.cni2.enroll(&echo, "echo-uid", Backend::Nftables), "");
+    assert_eq!(enroll(&c.cni1, &client, "client-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni2, &echo, "echo-uid", Backend::Nftables), "");
     snapshot(&c.cni1);
     snapshot(&c.cni2);
     assert!(c.n1.r().is_ready() && c.n2.r().is_ready());
@@ -332,9 +169,9 @@ fn pods_come_and_go_while_traffic_flows_and_snapshot_removes_stale() {
     let echo = c.sim.add_pod(2, 2);
     let _peers = echo_in(&echo);
     for (pod, uid) in [(&client, "client-uid"), (&stale, "stale-uid")] {
-        assert_eq!(c.cni1.enroll(pod, uid, Backend::Iptables), "");
+        assert_eq!(enroll(&c.cni1, pod, uid, Backend::Iptables), "");
     }
-    assert_eq!(c.cni2.enroll(&echo, "echo-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni2, &echo, "echo-uid", Backend::Iptables), "");
     snapshot(&c.cni1);
     snapshot(&c.cni2);
 
@@ -350,7 +187,7 @@ fn pods_come_and_go_while_traffic_flows_and_snapshot_removes_stale() {
 
     // A second client pod appears: its listeners open, its traffic is mTLS as client2.
     let client2 = c.sim.add_pod(1, 3);
-    assert_eq!(c.cni1.enroll(&client2, "client2-uid", Backend::Nftables), "");
+    assert_eq!(enroll(&c.cni1, &client2, "client2-uid", Backend::Nftables), "");
     round_trip(connect_from(&client2, sa(echo.v4, 8080)).unwrap(), 1000);
     wait("client2 counted", || {
         metric(
@@ -372,7 +209,7 @@ fn pods_come_and_go_while_traffic_flows_and_snapshot_removes_stale() {
     // The CNI restarts: it replays the client (same netns) but not `stale`, then the snapshot.
     c.cni1.disconnect();
     c.cni1.accept();
-    assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni1, &client, "client-uid", Backend::Iptables), "");
     snapshot(&c.cni1);
     assert_eq!(c.n1.pods(), vec!["client-uid".to_string()], "stale pod reconciled away");
     assert_eq!(metric(&c.n1.metrics(), "mbtunnel_inpod_pods", &[]), Some(1.0));
@@ -395,7 +232,7 @@ fn malformed_zds_messages_are_nacked_and_the_proxy_keeps_serving() {
     let client = c.sim.add_pod(1, 2);
     let echo = c.sim.add_pod(2, 2);
     let _peers = echo_in(&echo);
-    assert_eq!(c.cni2.enroll(&echo, "echo-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni2, &echo, "echo-uid", Backend::Iptables), "");
     snapshot(&c.cni2);
     let fd = client.fd();
     for (what, bytes, fds, want) in [
@@ -440,7 +277,7 @@ fn malformed_zds_messages_are_nacked_and_the_proxy_keeps_serving() {
     );
     assert_eq!(metric(&t, "mbtunnel_inpod_pods", &[]), Some(0.0), "{t}");
     // Still serving: a good add after all that works, and traffic flows.
-    assert_eq!(c.cni1.enroll(&client, "client-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni1, &client, "client-uid", Backend::Iptables), "");
     snapshot(&c.cni1);
     round_trip(connect_from(&client, sa(echo.v4, 8080)).unwrap(), 1000);
 
@@ -469,7 +306,7 @@ fn pod_outside_the_mesh_talks_plaintext_and_is_not_intercepted() {
     let echo = c.sim.add_pod(2, 2);
     let plain_peers = echo_in(&plain);
     let echo_peers = echo_in(&echo);
-    assert_eq!(c.cni2.enroll(&echo, "echo-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni2, &echo, "echo-uid", Backend::Iptables), "");
     snapshot(&c.cni1);
     snapshot(&c.cni2);
 

@@ -14,7 +14,7 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::socket::{dial, original_dst, DialOpts};
+use super::socket::{destination, dial, DialOpts};
 use super::{copy_both, ConnRecord, Ctx};
 use crate::hbone::{parse_connect, server_builder, ConnectRefusal};
 use crate::identity::Identity;
@@ -33,7 +33,7 @@ pub async fn handle_hbone(
 ) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // The address the client dialled: redirected (pod ip:15008) or the listener's own.
-    let Some(reached) = original_dst(&tcp).or_else(|| tcp.local_addr().ok()) else { return };
+    let Some(reached) = destination(&tcp) else { return };
     let span = tracing::info_span!("inbound", id, src = %peer, dst = %reached);
     async move {
         let Some(local) = ctx.state.local_workload_by_ip(reached.ip()).cloned() else {
@@ -159,7 +159,7 @@ pub async fn handle_plaintext(
     peer: SocketAddr,
     netns: Option<Arc<Netns>>,
 ) {
-    let Some(dst) = original_dst(&client).or_else(|| client.local_addr().ok()) else { return };
+    let Some(dst) = destination(&client) else { return };
     let span = tracing::info_span!("inbound_plaintext", src = %peer, dst = %dst);
     async move {
         if ctx

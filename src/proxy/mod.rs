@@ -203,7 +203,8 @@ pub async fn accept_loop<F, Fut>(
             r = listener.accept() => match r {
                 Ok((s, peer)) => {
                     let _ = s.set_nodelay(true);
-                    tokio::spawn(handle(s, peer));
+                    // A dual-stack listener reports IPv4 peers as ::ffff:a.b.c.d.
+                    tokio::spawn(handle(s, socket::canonical(peer)));
                 }
                 Err(e) => {
                     tracing::warn!(listener = name, error = %e, "accept failed");

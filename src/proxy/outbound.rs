@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::socket::{dial, original_dst, DialOpts};
+use super::socket::{destination, dial, original_dst, DialOpts};
 use super::{copy_both, ConnRecord, Ctx};
 use crate::config::Protocol;
 use crate::hbone::HboneError;
@@ -27,7 +27,7 @@ pub async fn handle(
 ) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let redirected = original_dst(&client);
-    let dst = match redirected.or_else(|| client.local_addr().ok()) {
+    let dst = match destination(&client) {
         Some(d) => d,
         None => return,
     };

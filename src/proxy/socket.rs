@@ -23,6 +23,16 @@ pub fn listen(addr: SocketAddr, transparent: bool) -> std::io::Result<TcpListene
     TcpListener::from_std(s.into())
 }
 
+/// Whether `l` carries `IP_TRANSPARENT` (IPv4) / `IPV6_TRANSPARENT` (IPv6).
+pub fn is_transparent(l: &TcpListener) -> bool {
+    let r = SockRef::from(l);
+    match l.local_addr() {
+        Ok(a) if a.is_ipv4() => r.ip_transparent_v4().unwrap_or(false),
+        Ok(_) => r.ip_transparent_v6().unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
 static TRANSPARENT_WARNED: AtomicBool = AtomicBool::new(false);
 
 fn set_transparent(s: &Socket, v4: bool) -> bool {
@@ -46,6 +56,17 @@ pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
     let local = s.local_addr().ok()?;
     let a = if local.is_ipv4() { r.original_dst_v4() } else { r.original_dst_v6() };
     a.ok().and_then(|a| a.as_socket())
+}
+
+/// IPv4-mapped IPv6 addresses (what dual-stack sockets report for IPv4) as plain IPv4.
+pub fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+/// Where a captured connection was going: the NAT original destination, else (TPROXY, eBPF
+/// socket assignment, or a direct connection) the accepted socket's local address.
+pub fn destination(s: &TcpStream) -> Option<SocketAddr> {
+    original_dst(s).or_else(|| s.local_addr().ok()).map(canonical)
 }
 
 /// Options for sockets the proxy opens toward the network.

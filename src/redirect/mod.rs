@@ -20,6 +20,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
 use crate::inpod::netns::{open, Netns};
+pub mod control;
+pub mod ebpf;
+
 use crate::inpod::{INBOUND_PLAINTEXT_PORT, INBOUND_PORT, OUTBOUND_PORT};
 
 /// The mark the proxy puts on its own sockets.
@@ -126,32 +129,32 @@ pub fn ipv6_available() -> bool {
     Path::new("/proc/sys/net/ipv6").exists()
 }
 
-/// The `ip` commands for the reply route (both families, or IPv4 only).
-fn route_cmds(add: bool, v6: bool) -> Vec<Vec<String>> {
+/// The `ip` commands for a policy route that delivers packets marked `mark/mask` locally (both
+/// families, or IPv4 only): the in-pod reply route, and the eBPF redirect's route.
+pub(crate) fn route_cmds(
+    add: bool,
+    v6: bool,
+    mark: u32,
+    mask: u32,
+    table: u32,
+    pref: u32,
+) -> Vec<Vec<String>> {
     let verb = if add { "add" } else { "del" };
     let mut v = Vec::new();
     let fams: &[&str] = if v6 { &["-4", "-6"] } else { &["-4"] };
     for &fam in fams {
         let any = if fam == "-4" { "0.0.0.0/0" } else { "::/0" };
-        v.push(
-            format!(
-                "{fam} rule {verb} fwmark {CONN_MARK:#x}/{MARK_MASK:#x} pref {RULE_PRIORITY} lookup {ROUTE_TABLE}"
-            )
-            .split(' ')
-            .map(String::from)
-            .collect(),
-        );
-        v.push(
-            format!("{fam} route {verb} local {any} dev lo table {ROUTE_TABLE}")
-                .split(' ')
-                .map(String::from)
-                .collect(),
-        );
+        for cmd in [
+            format!("{fam} rule {verb} fwmark {mark:#x}/{mask:#x} pref {pref} lookup {table}"),
+            format!("{fam} route {verb} local {any} dev lo table {table}"),
+        ] {
+            v.push(cmd.split(' ').map(String::from).collect());
+        }
     }
     v
 }
 
-fn run(cmd: &str, args: &[String], stdin: Option<&str>) -> Result<(), RedirectError> {
+pub(crate) fn run(cmd: &str, args: &[String], stdin: Option<&str>) -> Result<(), RedirectError> {
     let line = format!("{cmd} {}", args.join(" "));
     let mut c = Command::new(cmd);
     c.args(args).stdout(Stdio::null()).stderr(Stdio::piped());
@@ -201,7 +204,7 @@ pub fn apply(backend: Backend, netns: &Path) -> Result<(), RedirectError> {
             }
             Backend::Nftables => run("nft", &["-f".into(), "-".into()], Some(&nft_rules()))?,
         }
-        for c in route_cmds(true, v6) {
+        for c in route_cmds(true, v6, CONN_MARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY) {
             run("ip", &c, None)?;
         }
         Ok(())
@@ -233,7 +236,7 @@ fn remove_here(backend: Backend) {
         }
         Backend::Nftables => quiet("nft", &["delete", "table", "inet", "mbtunnel"]),
     }
-    for c in route_cmds(false, ipv6_available()) {
+    for c in route_cmds(false, ipv6_available(), CONN_MARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY) {
         let _ = run("ip", &c, None);
     }
 }
@@ -252,7 +255,7 @@ mod tests {
         assert!(n.contains("redirect to :15001") && n.contains("redirect to :15006"), "{n}");
         assert!(n.contains("0xfffff000 | 0x111"), "{n}");
         assert_eq!(
-            route_cmds(true, true)[0].join(" "),
+            route_cmds(true, true, CONN_MARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY)[0].join(" "),
             "-4 rule add fwmark 0x111/0xfff pref 32764 lookup 100"
         );
     }

@@ -2,6 +2,7 @@
 //! loopback addresses (127.0.<net>.x), so tests running in parallel never collide.
 #![allow(dead_code)]
 
+pub mod cluster;
 pub mod netns;
 
 use std::net::{IpAddr, SocketAddr};

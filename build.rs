@@ -1,0 +1,36 @@
+//! Compiles the eBPF redirect program (src/redirect/mbtunnel.bpf.c) with clang for the BPF
+//! target; the object is embedded in the binary (src/redirect/ebpf.rs). No prebuilt object is
+//! committed. scripts/deps.sh installs clang and the kernel UAPI headers (linux-libc-dev).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    let src = "src/redirect/mbtunnel.bpf.c";
+    println!("cargo:rerun-if-changed={src}");
+    println!("cargo:rerun-if-env-changed=CLANG");
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR")).join("mbtunnel.bpf.o");
+    let clang = std::env::var("CLANG").unwrap_or_else(|_| "clang".into());
+    // <asm/types.h> lives under the multiarch include directory on Debian.
+    let multiarch = Command::new("gcc")
+        .arg("-print-multiarch")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| format!("{}-linux-gnu", std::env::consts::ARCH));
+    let status = Command::new(&clang)
+        .args(["-O2", "-Wall", "-Werror", "-target", "bpf", "-c", src, "-o"])
+        .arg(&out)
+        .arg(format!("-I/usr/include/{multiarch}"))
+        .status();
+    match status {
+        Ok(s) if s.success() => {}
+        Ok(s) => panic!("{clang} failed to compile {src} ({s}); see the messages above"),
+        Err(e) => panic!(
+            "cannot run {clang} to compile the eBPF redirect program {src}: {e}. \
+             Install clang and linux-libc-dev (scripts/deps.sh does), or set CLANG=/path/to/clang"
+        ),
+    }
+}

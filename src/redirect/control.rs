@@ -1,0 +1,120 @@
+//! `mbtunnel redirect ebpf ...`: the command-line side of the eBPF redirect. The classifiers and
+//! maps belong to the running proxy (it holds its listening sockets, which go into the socket
+//! map), so the command asks the proxy's admin API (127.0.0.1:15000) to attach, detach, enrol or
+//! remove; `--pod-netns` first finds, from the pod's namespace, the host side of its veth and its
+//! addresses (what a CNI plugin knows when it adds a pod).
+#![forbid(unsafe_code)]
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context};
+
+use crate::inpod::netns::{self, Netns};
+
+/// One request to the proxy's admin API; returns the body, or an error with it.
+pub fn admin_call(admin: SocketAddr, method: &str, path_and_query: &str) -> anyhow::Result<String> {
+    let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(5)).with_context(|| {
+        format!("cannot reach the proxy's admin API at {admin} (is mbtunnel running with ebpf_enabled, and is --admin right?)")
+    })?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    write!(
+        s,
+        "{method} {path_and_query} HTTP/1.1\r\nHost: {admin}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).context("reading the admin API's answer")?;
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| anyhow!("malformed answer from {admin}: {head}"))?;
+    if status != 200 {
+        bail!("{}", body.trim());
+    }
+    Ok(body.to_string())
+}
+
+/// Query-string escaping for the values we send (interface names, addresses).
+fn esc(v: &str) -> String {
+    v.replace(':', "%3A")
+}
+
+pub fn attach(admin: SocketAddr, iface: &str, role: &str) -> anyhow::Result<String> {
+    admin_call(admin, "POST", &format!("/redirect/ebpf/attach?iface={}&role={role}", esc(iface)))
+}
+
+pub fn detach(admin: SocketAddr, iface: &str) -> anyhow::Result<String> {
+    admin_call(admin, "POST", &format!("/redirect/ebpf/detach?iface={}", esc(iface)))
+}
+
+pub fn enrol(admin: SocketAddr, ip: IpAddr, add: bool) -> anyhow::Result<String> {
+    let verb = if add { "enrol" } else { "unenrol" };
+    admin_call(admin, "POST", &format!("/redirect/ebpf/{verb}?ip={}", esc(&ip.to_string())))
+}
+
+pub fn status(admin: SocketAddr) -> anyhow::Result<String> {
+    admin_call(admin, "GET", "/redirect/ebpf")
+}
+
+/// A pod as seen from its namespace: the host-side name of its veth (in this process's
+/// namespace) and its global addresses.
+#[derive(Debug)]
+pub struct PodLink {
+    pub host_iface: String,
+    pub ips: Vec<IpAddr>,
+}
+
+fn ip_json(args: &[&str]) -> anyhow::Result<serde_json::Value> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .with_context(|| format!("cannot run ip {} (iproute2 installed?)", args.join(" ")))?;
+    if !out.status.success() {
+        bail!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Finds the pod's veth peer and addresses: `ip -j addr` inside the pod's namespace gives the
+/// peer's ifindex (`link_index`), `ip -j link` here gives its name.
+pub fn pod_link(pod_netns: &Path) -> anyhow::Result<PodLink> {
+    let fd = netns::open(pod_netns)
+        .with_context(|| format!("cannot open pod namespace {}", pod_netns.display()))?;
+    let ns = Netns::enter(fd, "pod")?;
+    let links = ns
+        .run_blocking(|| ip_json(&["-j", "addr", "show"]))
+        .map_err(|e| anyhow!("cannot enter {}: {e}", pod_netns.display()))??;
+    let link = links
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|l| l["link_index"].is_u64() && l["ifname"] != "lo")
+        .ok_or_else(|| anyhow!("no veth with a peer in {}", pod_netns.display()))?;
+    let peer = link["link_index"].as_u64().unwrap_or(0);
+    let ips: Vec<IpAddr> = link["addr_info"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|a| a["scope"] == "global")
+        .filter_map(|a| a["local"].as_str()?.parse().ok())
+        .collect();
+    if ips.is_empty() {
+        bail!("the pod's interface {} has no global address", link["ifname"]);
+    }
+    let here = ip_json(&["-j", "link", "show"])?;
+    let host_iface = here
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|l| l["ifindex"].as_u64() == Some(peer))
+        .and_then(|l| l["ifname"].as_str().map(String::from))
+        .ok_or_else(|| {
+            anyhow!("the pod's veth peer (ifindex {peer}) is not in this namespace: run where the proxy runs")
+        })?;
+    Ok(PodLink { host_iface, ips })
+}

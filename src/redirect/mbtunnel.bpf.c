@@ -1,0 +1,226 @@
+// SPDX-License-Identifier: (BSD-2-Clause OR GPL-2.0-only)
+//
+// mbtunnel's eBPF redirect: two tc ingress classifiers that hand connections of enrolled pods to
+// the node proxy's listening sockets with bpf_sk_assign, without NAT (the accepted socket's local
+// address is the original destination).
+//
+//   mbt_from_pod    on the host side of each pod's veth: a pod's new outbound connection (SYN)
+//                   goes to the outbound listener (15001);
+//   mbt_from_uplink on the node's uplink: a new connection to an enrolled pod goes to the HBONE
+//                   listener (15008) when it targets the HBONE port, else to the plaintext
+//                   inbound listener (15006).
+//
+// Every later packet of a connection the proxy owns (the pod's side of an outbound connection,
+// the pod's replies to the proxy's transparent dial, the peer's side of an inbound one) is found
+// by a socket lookup and marked so that policy routing (`fwmark MARK/MARK lookup TABLE`,
+// `local default dev lo table TABLE`, installed by the loader) delivers it locally. Packets of
+// connections the proxy does not own pass untouched: enrolling or removing a pod changes new
+// connections only.
+//
+// Built by build.rs with `clang -O2 -target bpf`; loaded by src/redirect/ebpf.rs (aya).
+
+#include <linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/in.h>
+#include <linux/ip.h>
+#include <linux/ipv6.h>
+#include <linux/pkt_cls.h>
+#include <linux/tcp.h>
+
+#define SEC(name) __attribute__((section(name), used))
+#define INLINE static inline __attribute__((always_inline))
+
+// Helpers by number (no libbpf headers needed).
+static void *(*bpf_map_lookup_elem)(void *map, const void *key) = (void *)BPF_FUNC_map_lookup_elem;
+static struct bpf_sock *(*bpf_skc_lookup_tcp)(void *ctx, struct bpf_sock_tuple *tuple,
+                                              __u32 tuple_size, __u64 netns,
+                                              __u64 flags) = (void *)BPF_FUNC_skc_lookup_tcp;
+static long (*bpf_sk_release)(void *sk) = (void *)BPF_FUNC_sk_release;
+static long (*bpf_sk_assign)(void *ctx, void *sk, __u64 flags) = (void *)BPF_FUNC_sk_assign;
+
+// Legacy map definitions (the "maps" section), read by aya.
+struct map_def {
+	__u32 type;
+	__u32 key_size;
+	__u32 value_size;
+	__u32 max_entries;
+	__u32 map_flags;
+};
+
+// Must match src/redirect/ebpf.rs.
+#define LISTENER_OUTBOUND 0
+#define LISTENER_HBONE 1
+#define LISTENER_PLAINTEXT 2
+
+#define CONFIG_MARK 0
+#define CONFIG_HBONE_PORT 1
+
+#define STAT_OUTBOUND 0
+#define STAT_HBONE 1
+#define STAT_PLAINTEXT 2
+#define STAT_NO_LISTENER 3
+#define STAT_ASSIGN_FAILED 4
+#define STAT_STEERED 5
+#define STATS 8
+
+// The proxy's listening sockets, by LISTENER_*.
+SEC("maps") struct map_def mbt_listeners = {BPF_MAP_TYPE_SOCKMAP, 4, 4, 3, 0};
+// Enrolled pod addresses: IPv6, or IPv4 as ::ffff:a.b.c.d. Value unused (1).
+SEC("maps") struct map_def mbt_pods = {BPF_MAP_TYPE_HASH, 16, 4, 65536, 0};
+// CONFIG_*: the routing mark and the HBONE port (host order).
+SEC("maps") struct map_def mbt_config = {BPF_MAP_TYPE_ARRAY, 4, 4, 2, 0};
+// Per-CPU counters by STAT_*.
+SEC("maps") struct map_def mbt_stats = {BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, STATS, 0};
+
+struct packet {
+	struct bpf_sock_tuple tuple;
+	__u32 tuple_len;
+	__u8 src[16];
+	__u8 dst[16];
+	__u16 dport; // host order
+	int syn;     // SYN without ACK: a new connection
+};
+
+INLINE void count(__u32 stat)
+{
+	__u64 *v = bpf_map_lookup_elem(&mbt_stats, &stat);
+	if (v)
+		*v += 1;
+}
+
+INLINE __u32 config(__u32 key)
+{
+	__u32 *v = bpf_map_lookup_elem(&mbt_config, &key);
+	return v ? *v : 0;
+}
+
+INLINE void v4_mapped(__u8 *out, __be32 addr)
+{
+	__builtin_memset(out, 0, 10);
+	out[10] = 0xff;
+	out[11] = 0xff;
+	__builtin_memcpy(out + 12, &addr, 4);
+}
+
+// Parses Ethernet + IPv4/IPv6 + TCP. Returns 0 for a TCP segment the programs care about.
+INLINE int parse(struct __sk_buff *skb, struct packet *p)
+{
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	struct ethhdr *eth = data;
+	struct tcphdr *tcp;
+
+	if ((void *)(eth + 1) > end)
+		return -1;
+	if (eth->h_proto == __builtin_bswap16(ETH_P_IP)) {
+		struct iphdr *ip = (void *)(eth + 1);
+		if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_TCP || ip->ihl < 5)
+			return -1;
+		if (ip->frag_off & __builtin_bswap16(0x1fff))
+			return -1; // not the first fragment: no TCP header
+		tcp = (void *)ip + ip->ihl * 4;
+		if ((void *)(tcp + 1) > end)
+			return -1;
+		p->tuple.ipv4.saddr = ip->saddr;
+		p->tuple.ipv4.daddr = ip->daddr;
+		p->tuple.ipv4.sport = tcp->source;
+		p->tuple.ipv4.dport = tcp->dest;
+		p->tuple_len = sizeof(p->tuple.ipv4);
+		v4_mapped(p->src, ip->saddr);
+		v4_mapped(p->dst, ip->daddr);
+	} else if (eth->h_proto == __builtin_bswap16(ETH_P_IPV6)) {
+		struct ipv6hdr *ip6 = (void *)(eth + 1);
+		if ((void *)(ip6 + 1) > end || ip6->nexthdr != IPPROTO_TCP)
+			return -1; // extension headers: left alone
+		tcp = (void *)(ip6 + 1);
+		if ((void *)(tcp + 1) > end)
+			return -1;
+		__builtin_memcpy(p->tuple.ipv6.saddr, &ip6->saddr, 16);
+		__builtin_memcpy(p->tuple.ipv6.daddr, &ip6->daddr, 16);
+		p->tuple.ipv6.sport = tcp->source;
+		p->tuple.ipv6.dport = tcp->dest;
+		p->tuple_len = sizeof(p->tuple.ipv6);
+		__builtin_memcpy(p->src, &ip6->saddr, 16);
+		__builtin_memcpy(p->dst, &ip6->daddr, 16);
+	} else {
+		return -1;
+	}
+	p->dport = __builtin_bswap16(tcp->dest);
+	p->syn = tcp->syn && !tcp->ack;
+	return 0;
+}
+
+INLINE void mark(struct __sk_buff *skb)
+{
+	skb->mark |= config(CONFIG_MARK);
+}
+
+// A new connection: hand it to listener `which`. Without the listener the segment is dropped
+// (fail closed: an enrolled pod's traffic never bypasses the proxy while programs are attached).
+INLINE int to_listener(struct __sk_buff *skb, __u32 which, __u32 stat)
+{
+	struct bpf_sock *sk = bpf_map_lookup_elem(&mbt_listeners, &which);
+	long err;
+
+	if (!sk) {
+		count(STAT_NO_LISTENER);
+		return TC_ACT_SHOT;
+	}
+	err = bpf_sk_assign(skb, sk, 0);
+	bpf_sk_release(sk);
+	if (err) {
+		count(STAT_ASSIGN_FAILED);
+		return TC_ACT_SHOT;
+	}
+	mark(skb);
+	count(stat);
+	return TC_ACT_OK;
+}
+
+// A later segment: if a local socket (established or still in the handshake) owns its 4-tuple,
+// route it locally; otherwise leave it alone.
+INLINE int to_owner(struct __sk_buff *skb, struct packet *p)
+{
+	struct bpf_sock *sk =
+	    bpf_skc_lookup_tcp(skb, &p->tuple, p->tuple_len, BPF_F_CURRENT_NETNS, 0);
+	if (!sk)
+		return TC_ACT_OK;
+	if (sk->state != BPF_TCP_LISTEN) {
+		mark(skb);
+		count(STAT_STEERED);
+	}
+	bpf_sk_release(sk);
+	return TC_ACT_OK;
+}
+
+SEC("classifier/from_pod")
+int mbt_from_pod(struct __sk_buff *skb)
+{
+	struct packet p = {};
+
+	if (parse(skb, &p))
+		return TC_ACT_OK;
+	if (!p.syn)
+		return to_owner(skb, &p);
+	if (!bpf_map_lookup_elem(&mbt_pods, p.src))
+		return TC_ACT_OK;
+	return to_listener(skb, LISTENER_OUTBOUND, STAT_OUTBOUND);
+}
+
+SEC("classifier/from_uplink")
+int mbt_from_uplink(struct __sk_buff *skb)
+{
+	struct packet p = {};
+
+	if (parse(skb, &p))
+		return TC_ACT_OK;
+	if (!p.syn)
+		return to_owner(skb, &p);
+	if (!bpf_map_lookup_elem(&mbt_pods, p.dst))
+		return TC_ACT_OK;
+	if (p.dport == config(CONFIG_HBONE_PORT))
+		return to_listener(skb, LISTENER_HBONE, STAT_HBONE);
+	return to_listener(skb, LISTENER_PLAINTEXT, STAT_PLAINTEXT);
+}
+
+char _license[] SEC("license") = "Dual BSD/GPL";
