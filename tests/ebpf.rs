@@ -12,6 +12,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard};
@@ -375,22 +376,19 @@ fn conn_rate(client: &Pod, dst: SocketAddr, workers: usize, secs: f64) -> f64 {
     let end = Instant::now() + Duration::from_secs_f64(secs);
     let threads: Vec<_> = (0..workers)
         .map(|_| {
-            let ns = client.ns.clone();
+            let fd = client.fd();
             std::thread::spawn(move || {
-                ns.run_blocking(move || {
-                    let mut n = 0u64;
-                    while Instant::now() < end {
-                        let Ok(mut s) = TcpStream::connect_timeout(&dst, Duration::from_secs(5))
-                        else {
-                            continue;
-                        };
-                        let _ = s.set_nodelay(true);
-                        ping(&mut s, &[7u8; 64]);
-                        n += 1;
-                    }
-                    n
-                })
-                .unwrap()
+                mbtunnel::inpod::netns::enter_current_thread(fd.as_fd()).expect("enter pod");
+                let mut n = 0u64;
+                while Instant::now() < end {
+                    let Ok(mut s) = TcpStream::connect_timeout(&dst, Duration::from_secs(5)) else {
+                        continue;
+                    };
+                    let _ = s.set_nodelay(true);
+                    ping(&mut s, &[7u8; 64]);
+                    n += 1;
+                }
+                n
             })
         })
         .collect();
