@@ -86,6 +86,15 @@ struct RunArgs {
     /// Log filter, e.g. info or mbtunnel=debug. [env: RUST_LOG]
     #[arg(long)]
     log_level: Option<String>,
+    /// eBPF redirect mode: node-level capture by our tc classifiers, without NAT or iptables
+    /// (needs CAP_BPF + CAP_NET_ADMIN and the node's network namespace; pods are attached with
+    /// `mbtunnel redirect ebpf`). [env: MBTUNNEL_EBPF_ENABLED]
+    #[arg(long)]
+    ebpf: bool,
+    /// eBPF mode: the node's interfaces toward other nodes, comma-separated, attached at start.
+    /// [env: MBTUNNEL_EBPF_UPLINKS]
+    #[arg(long, value_delimiter = ',')]
+    ebpf_uplinks: Vec<String>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -384,6 +393,12 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     }
     if let Some(v) = a.log_level.clone().or_else(|| std::env::var(env::LOG).ok()) {
         cfg.log_level = v;
+    }
+    if a.ebpf {
+        cfg.ebpf_enabled = true;
+    }
+    if !a.ebpf_uplinks.is_empty() {
+        cfg.ebpf_uplinks = a.ebpf_uplinks.clone();
     }
     cfg.validate()?;
     Ok(cfg)
