@@ -118,9 +118,7 @@ impl Drop for Cluster {
 }
 
 fn ebpf_cluster(tag: &str) -> Cluster {
-    let mut sim = Sim::new();
-    sim.add_node(1);
-    sim.add_node(2);
+    let sim = Sim::two_nodes();
     let client = sim.add_pod(1, 2);
     let echo = sim.add_pod(2, 2);
     let dir = temp_dir(&format!("ebpf-{tag}"));
@@ -439,9 +437,7 @@ fn bench_redirect_modes() {
     for round in 0..rounds {
         // No proxy: the pods talk directly.
         {
-            let mut sim = Sim::new();
-            sim.add_node(1);
-            sim.add_node(2);
+            let sim = Sim::two_nodes();
             let client = sim.add_pod(1, 2);
             let echo = sim.add_pod(2, 2);
             let _p = echo_in(&echo);
@@ -456,9 +452,7 @@ fn bench_redirect_modes() {
         }
         // In-pod mode with iptables rules in the pods (istio-cni's default).
         {
-            let mut sim = Sim::new();
-            sim.add_node(1);
-            sim.add_node(2);
+            let sim = Sim::two_nodes();
             let client = sim.add_pod(1, 2);
             let echo = sim.add_pod(2, 2);
             let dir = temp_dir(&format!("ebpf-bench-inpod{round}"));

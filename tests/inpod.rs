@@ -74,9 +74,7 @@ impl Drop for Cluster {
 }
 
 fn cluster(tag: &str) -> Cluster {
-    let mut sim = Sim::new();
-    sim.add_node(1);
-    sim.add_node(2);
+    let sim = Sim::two_nodes();
     let dir = temp_dir(&format!("inpod-{tag}"));
     std::fs::create_dir_all(&dir).unwrap();
     let (s1, s2) = (dir.join("cni-1.sock"), dir.join("cni-2.sock"));

@@ -184,6 +184,14 @@ impl Sim {
         Sim { tag, guards: vec![g], nodes: Vec::new(), v6: ipv6_skip_reason().is_none() }
     }
 
+    /// Two nodes (1 and 2) routed to each other.
+    pub fn two_nodes() -> Sim {
+        let mut sim = Sim::new();
+        sim.add_node(1);
+        sim.add_node(2);
+        sim
+    }
+
     pub fn node_ns(&self, n: u8) -> String {
         format!("{}-n{n}", self.tag)
     }
