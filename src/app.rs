@@ -161,6 +161,18 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         transparent,
         own_addrs: vec![bound.outbound, bound.inbound, bound.inbound_plaintext],
     });
+    if ebpf.is_some() {
+        // HBONE to a pod of this node stays in the process: dialled, it would leave the node's
+        // namespace toward the pod, where no classifier sees it and nothing listens on 15008.
+        let weak = Arc::downgrade(&ctx);
+        ctx.pool.set_local_connector(Box::new(move |dst, src| {
+            let ctx = weak.upgrade()?;
+            ctx.state.local_workload_by_ip(dst.ip())?;
+            let (client, server) = tokio::io::duplex(256 * 1024);
+            tokio::spawn(proxy::inbound::serve_hbone(ctx, server, src, dst, None));
+            Some(client)
+        }));
+    }
     let inpod_metrics =
         cfg.inpod_enabled.then(|| crate::inpod::InPodMetrics::register(&mut registry));
     let registry = Arc::new(registry);

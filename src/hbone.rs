@@ -19,7 +19,7 @@ use crate::identity::Identity;
 use crate::inpod::netns::Netns;
 use crate::metrics::Metrics;
 use crate::proxy::socket::{dial, DialOpts};
-use crate::tls::{TlsError, TlsProvider};
+use crate::tls::{Stream, TlsError, TlsProvider};
 
 /// h2 settings as ztunnel's: large windows and frames, keepalive pings.
 pub const STREAM_WINDOW: u32 = 4 * 1024 * 1024;
@@ -62,6 +62,13 @@ struct Pooled {
     last_used: Instant,
 }
 
+/// Opens HBONE to a workload of this node without the network. Given the HBONE address and the
+/// client's address, returns the client end of an in-memory pipe whose other end the inbound side
+/// serves, or `None` when the address is not a workload of this node. Used in eBPF mode, where a
+/// dial to a local pod's 15008 would leave the node's namespace toward the pod itself.
+pub type LocalConnector =
+    Box<dyn Fn(SocketAddr, SocketAddr) -> Option<tokio::io::DuplexStream> + Send + Sync>;
+
 /// The outbound HBONE connection pool.
 pub struct Pool {
     tls: Arc<TlsProvider>,
@@ -69,6 +76,7 @@ pub struct Pool {
     mark: u32,
     transparent: bool,
     conns: Mutex<HashMap<PoolKey, Pooled>>,
+    local: std::sync::OnceLock<LocalConnector>,
 }
 
 /// Headers of one HBONE request.
@@ -79,7 +87,19 @@ pub struct ConnectHeaders {
 
 impl Pool {
     pub fn new(tls: Arc<TlsProvider>, metrics: Arc<Metrics>, mark: u32, transparent: bool) -> Pool {
-        Pool { tls, metrics, mark, transparent, conns: Mutex::new(HashMap::new()) }
+        Pool {
+            tls,
+            metrics,
+            mark,
+            transparent,
+            conns: Mutex::new(HashMap::new()),
+            local: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Routes HBONE to this node's own workloads through `f` (set once, at start-up).
+    pub fn set_local_connector(&self, f: LocalConnector) {
+        let _ = self.local.set(f);
     }
 
     /// Number of live pooled connections.
@@ -105,11 +125,26 @@ impl Pool {
         key: &PoolKey,
         netns: Option<&Netns>,
     ) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
+        if let Some(pipe) =
+            self.local.get().and_then(|f| f(key.dst, SocketAddr::new(key.src_ip, 0)))
+        {
+            let tls = self.tls.connect(pipe, &key.src_id, &key.dst_id).await?;
+            return self.handshake(key, tls).await;
+        }
         let source = self.transparent.then_some(key.src_ip);
         let tcp = dial(key.dst, DialOpts { mark: self.mark, source, netns })
             .await
             .map_err(|e| HboneError::Connect(key.dst, e))?;
         let tls = self.tls.connect(tcp, &key.src_id, &key.dst_id).await?;
+        self.handshake(key, tls).await
+    }
+
+    /// HTTP/2 over an established TLS stream; the connection joins the pool.
+    async fn handshake<S: Stream>(
+        &self,
+        key: &PoolKey,
+        tls: tokio_boring::SslStream<S>,
+    ) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
         let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             .timer(TokioTimer::new())
             .initial_stream_window_size(STREAM_WINDOW)

@@ -14,8 +14,11 @@ use boring::ssl::{
 };
 use boring::x509::store::X509StoreBuilder;
 use boring::x509::{X509StoreContextRef, X509};
-use tokio::net::TcpStream;
 use tokio_boring::SslStream;
+
+/// What TLS runs over: a TCP connection, or an in-memory pipe (same-node HBONE in eBPF mode).
+pub trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> Stream for T {}
 
 use crate::identity::store::{CertBundle, CertStore};
 use crate::identity::Identity;
@@ -224,11 +227,11 @@ impl TlsProvider {
     }
 
     /// Server side: handshake as `local` and return the peer's identity.
-    pub async fn accept(
+    pub async fn accept<S: Stream>(
         &self,
-        stream: TcpStream,
+        stream: S,
         local: &Identity,
-    ) -> Result<(SslStream<TcpStream>, Identity), TlsError> {
+    ) -> Result<(SslStream<S>, Identity), TlsError> {
         let start = Instant::now();
         let r = async {
             let ctx = self.contexts(local)?;
@@ -250,12 +253,12 @@ impl TlsProvider {
     }
 
     /// Client side: handshake as `local`, requiring the server to be exactly `expected`.
-    pub async fn connect(
+    pub async fn connect<S: Stream>(
         &self,
-        stream: TcpStream,
+        stream: S,
         local: &Identity,
         expected: &Identity,
-    ) -> Result<SslStream<TcpStream>, TlsError> {
+    ) -> Result<SslStream<S>, TlsError> {
         let start = Instant::now();
         let r = async {
             let ctx = self.contexts(local)?;

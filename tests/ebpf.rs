@@ -35,7 +35,7 @@ fn serial() -> MutexGuard<'static, ()> {
 }
 
 /// The mesh: (name, node, pod index).
-const PODS: &[(&str, u8, u8)] = &[("client", 1, 2), ("echo", 2, 2)];
+const PODS: &[(&str, u8, u8)] = &[("client", 1, 2), ("echo", 2, 2), ("neighbour", 1, 4)];
 
 /// Node `node`'s config. `mode`: "ebpf" (listeners on the node, classifiers), "inpod" (the
 /// fake CNI enrols pods and installs iptables rules in them).
@@ -224,8 +224,37 @@ fn client_pod_to_server_pod_captured_by_ebpf_over_hbone_mtls() {
         metric(&m2, "mbtunnel_redirect_ebpf_packets_total", &["kind=\"inbound_hbone\""]) >= Some(n),
         "{m2}"
     );
+    // A mesh pod on the client's own node: HBONE stays inside node 1's proxy (no wire), both
+    // reporters count it there, and the server still sees the client's address.
+    let neighbour = c.sim.add_pod(1, 4);
+    let out = c
+        .ctl(1, &["attach", "--pod-netns", ns_path(&neighbour.name).to_str().unwrap()])
+        .expect("attach neighbour");
+    assert!(out.contains("enrolled"), "{out}");
+    let npeers = echo_in(&neighbour);
+    let s = connect_from(&c.client, sa(neighbour.v4, 8080)).expect("same-node connection");
+    round_trip(s, 64 * 1024);
+    wait("neighbour saw the client", || {
+        npeers.lock().unwrap().iter().any(|p| p.ip() == c.client.v4)
+    });
+    let m1 = c.n1().metrics();
+    let local = metric(
+        &m1,
+        "istio_tcp_connections_opened_total",
+        &[
+            "reporter=\"destination\"",
+            "destination_workload=\"neighbour\"",
+            "connection_security_policy=\"mutual_tls\"",
+            &format!("source_principal=\"{CLIENT}\""),
+        ],
+    );
+    assert_eq!(local, Some(1.0), "{m1}");
+    c.ctl(1, &["detach", "--pod-netns", ns_path(&neighbour.name).to_str().unwrap()])
+        .expect("detach");
+
     // A pod outside the mesh (not enrolled) on node 1 reaching the enrolled echo pod: not
     // captured on its way out, captured on node 2's uplink into the plaintext inbound listener.
+    let before = opened(c.n1(), "source");
     let legacy = c.sim.add_pod(1, 3);
     let s = connect_from(&legacy, sa(c.echo.v4, 8080)).expect("plaintext client");
     round_trip(s, 4096);
@@ -236,7 +265,7 @@ fn client_pod_to_server_pod_captured_by_ebpf_over_hbone_mtls() {
             >= Some(1.0),
         "{m2}"
     );
-    assert_eq!(opened(c.n1(), "source"), n, "node 1 did not capture the legacy pod");
+    assert_eq!(opened(c.n1(), "source"), before, "node 1 did not capture the legacy pod");
     let status = c.ctl(2, &["status"]).expect("status");
     let v: serde_json::Value = serde_json::from_str(&status).expect("status is JSON");
     assert_eq!(v["mode"], "ebpf");

@@ -20,6 +20,7 @@ use crate::hbone::{parse_connect, server_builder, ConnectRefusal};
 use crate::identity::Identity;
 use crate::inpod::netns::Netns;
 use crate::metrics::{Reporter, SecurityPolicy};
+use crate::tls::Stream;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -31,9 +32,21 @@ pub async fn handle_hbone(
     peer: SocketAddr,
     netns: Option<Arc<Netns>>,
 ) {
-    let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     // The address the client dialled: redirected (pod ip:15008) or the listener's own.
     let Some(reached) = destination(&tcp) else { return };
+    serve_hbone(ctx, tcp, peer, reached, netns).await
+}
+
+/// Serves HBONE on `stream` from `peer`, which dialled `reached`: a TCP connection, or the
+/// in-memory pipe of a same-node tunnel (eBPF mode).
+pub async fn serve_hbone<S: Stream>(
+    ctx: Arc<Ctx>,
+    stream: S,
+    peer: SocketAddr,
+    reached: SocketAddr,
+    netns: Option<Arc<Netns>>,
+) {
+    let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let span = tracing::info_span!("inbound", id, src = %peer, dst = %reached);
     async move {
         let Some(local) = ctx.state.local_workload_by_ip(reached.ip()).cloned() else {
@@ -42,7 +55,7 @@ pub async fn handle_hbone(
             return;
         };
         let local_id = ctx.state.identity_of(&local);
-        let (tls, peer_id) = match ctx.tls.accept(tcp, &local_id).await {
+        let (tls, peer_id) = match ctx.tls.accept(stream, &local_id).await {
             Ok(x) => x,
             Err(e) => {
                 ctx.metrics.refuse("tls_handshake");
