@@ -196,6 +196,18 @@ fn client_pod_to_server_pod_captured_by_ebpf_over_hbone_mtls() {
                 && opened(c.n2(), "destination") >= (i + 1) as f64
         });
     }
+    if c.sim.v6 {
+        // TCP hidden behind an IPv6 hop-by-hop header cannot be read by the classifier: from
+        // an enrolled pod it is dropped, not let past the proxy.
+        let r = connect_with_hop_by_hop(&c.client, sa(c.echo.v6, 8080));
+        assert!(r.is_err(), "a SYN behind extension headers got through");
+        let m1 = c.n1().metrics();
+        assert!(
+            metric(&m1, "mbtunnel_redirect_ebpf_packets_total", &["kind=\"malformed\""])
+                >= Some(1.0),
+            "{m1}"
+        );
+    }
     let m1 = c.n1().metrics();
     let m2 = c.n2().metrics();
     for (m, reporter) in [(&m1, "source"), (&m2, "destination")] {
@@ -273,6 +285,30 @@ fn client_pod_to_server_pod_captured_by_ebpf_over_hbone_mtls() {
     for ns in all_namespaces(&c) {
         assert_no_packet_filter_rules(&ns);
     }
+}
+
+/// Connects from `pod` with an IPv6 hop-by-hop options header (one PadN) on every segment.
+fn connect_with_hop_by_hop(pod: &Pod, dst: SocketAddr) -> std::io::Result<TcpStream> {
+    pod.run(move || {
+        use std::os::fd::AsRawFd;
+        let s = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None)?;
+        let opt: [u8; 8] = [0, 0, 1, 4, 0, 0, 0, 0];
+        // SAFETY: a valid socket and an 8-byte buffer of the length given.
+        let r = unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::IPPROTO_IPV6,
+                libc::IPV6_HOPOPTS,
+                opt.as_ptr().cast(),
+                opt.len() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            panic!("IPV6_HOPOPTS: {}", std::io::Error::last_os_error());
+        }
+        s.connect_timeout(&dst.into(), Duration::from_secs(2))?;
+        Ok(s.into())
+    })
 }
 
 /// Sends `msg` on `s` and reads the echo.

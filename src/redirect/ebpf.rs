@@ -49,8 +49,15 @@ const LISTENER_HBONE: u32 = 1;
 const LISTENER_PLAINTEXT: u32 = 2;
 const CONFIG_MARK: u32 = 0;
 const CONFIG_HBONE_PORT: u32 = 1;
-const STAT_NAMES: [&str; 6] =
-    ["outbound", "inbound_hbone", "inbound_plaintext", "no_listener", "assign_failed", "steered"];
+const STAT_NAMES: [&str; 7] = [
+    "outbound",
+    "inbound_hbone",
+    "inbound_plaintext",
+    "no_listener",
+    "assign_failed",
+    "steered",
+    "malformed",
+];
 
 const HINT: &str = "eBPF redirect needs Linux >= 5.10 with BPF (tcx on >= 6.6, else the clsact \
     qdisc) and the capabilities CAP_BPF and CAP_NET_ADMIN (or CAP_SYS_ADMIN). Without them, \
@@ -180,7 +187,8 @@ impl RedirectMetrics {
             "mbtunnel_redirect_ebpf_packets",
             "Packets the eBPF classifiers acted on, by kind: new connections handed to the \
              outbound, inbound_hbone or inbound_plaintext listener, later segments steered to \
-             the proxy's sockets, drops for no_listener or assign_failed",
+             the proxy's sockets, drops for no_listener, assign_failed, or malformed (TCP of an \
+             enrolled pod hidden behind IPv6 extension headers or in a truncated fragment)",
             m.packets.clone(),
         );
         m

@@ -61,7 +61,13 @@ struct map_def {
 #define STAT_NO_LISTENER 3
 #define STAT_ASSIGN_FAILED 4
 #define STAT_STEERED 5
+#define STAT_MALFORMED 6
 #define STATS 8
+
+// parse() results.
+#define PARSED 0
+#define NOT_TCP -1
+#define HIDDEN_TCP -2 // TCP we cannot read: IPv6 extension headers, a truncated first fragment
 
 // The proxy's listening sockets, by LISTENER_*.
 SEC("maps") struct map_def mbt_listeners = {BPF_MAP_TYPE_SOCKMAP, 4, 4, 3, 0};
@@ -102,7 +108,9 @@ INLINE void v4_mapped(__u8 *out, __be32 addr)
 	__builtin_memcpy(out + 12, &addr, 4);
 }
 
-// Parses Ethernet + IPv4/IPv6 + TCP. Returns 0 for a TCP segment the programs care about.
+// Parses Ethernet + IPv4/IPv6 + TCP: PARSED, NOT_TCP (left alone), or HIDDEN_TCP (addresses
+// filled in, TCP header unreadable: dropped when an enrolled pod is involved, so that extension
+// headers or tiny fragments cannot slip a connection past the proxy).
 INLINE int parse(struct __sk_buff *skb, struct packet *p)
 {
 	void *data = (void *)(long)skb->data;
@@ -111,43 +119,65 @@ INLINE int parse(struct __sk_buff *skb, struct packet *p)
 	struct tcphdr *tcp;
 
 	if ((void *)(eth + 1) > end)
-		return -1;
+		return NOT_TCP;
 	if (eth->h_proto == __builtin_bswap16(ETH_P_IP)) {
 		struct iphdr *ip = (void *)(eth + 1);
-		if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_TCP || ip->ihl < 5)
-			return -1;
+		if ((void *)(ip + 1) > end || ip->protocol != IPPROTO_TCP)
+			return NOT_TCP;
+		v4_mapped(p->src, ip->saddr);
+		v4_mapped(p->dst, ip->daddr);
 		if (ip->frag_off & __builtin_bswap16(0x1fff))
-			return -1; // not the first fragment: no TCP header
+			return NOT_TCP; // a later fragment: its first one was judged
+		if (ip->ihl < 5)
+			return HIDDEN_TCP;
 		tcp = (void *)ip + ip->ihl * 4;
 		if ((void *)(tcp + 1) > end)
-			return -1;
+			return HIDDEN_TCP;
 		p->tuple.ipv4.saddr = ip->saddr;
 		p->tuple.ipv4.daddr = ip->daddr;
 		p->tuple.ipv4.sport = tcp->source;
 		p->tuple.ipv4.dport = tcp->dest;
 		p->tuple_len = sizeof(p->tuple.ipv4);
-		v4_mapped(p->src, ip->saddr);
-		v4_mapped(p->dst, ip->daddr);
 	} else if (eth->h_proto == __builtin_bswap16(ETH_P_IPV6)) {
 		struct ipv6hdr *ip6 = (void *)(eth + 1);
-		if ((void *)(ip6 + 1) > end || ip6->nexthdr != IPPROTO_TCP)
-			return -1; // extension headers: left alone
+		if ((void *)(ip6 + 1) > end)
+			return NOT_TCP;
+		__builtin_memcpy(p->src, &ip6->saddr, 16);
+		__builtin_memcpy(p->dst, &ip6->daddr, 16);
+		switch (ip6->nexthdr) {
+		case IPPROTO_TCP:
+			break;
+		case IPPROTO_HOPOPTS:
+		case IPPROTO_ROUTING:
+		case IPPROTO_FRAGMENT:
+		case IPPROTO_DSTOPTS:
+			return HIDDEN_TCP; // may carry TCP behind them
+		default:
+			return NOT_TCP;
+		}
 		tcp = (void *)(ip6 + 1);
 		if ((void *)(tcp + 1) > end)
-			return -1;
+			return HIDDEN_TCP;
 		__builtin_memcpy(p->tuple.ipv6.saddr, &ip6->saddr, 16);
 		__builtin_memcpy(p->tuple.ipv6.daddr, &ip6->daddr, 16);
 		p->tuple.ipv6.sport = tcp->source;
 		p->tuple.ipv6.dport = tcp->dest;
 		p->tuple_len = sizeof(p->tuple.ipv6);
-		__builtin_memcpy(p->src, &ip6->saddr, 16);
-		__builtin_memcpy(p->dst, &ip6->daddr, 16);
 	} else {
-		return -1;
+		return NOT_TCP;
 	}
 	p->dport = __builtin_bswap16(tcp->dest);
 	p->syn = tcp->syn && !tcp->ack;
-	return 0;
+	return PARSED;
+}
+
+// An unreadable TCP packet: dropped (and counted) if `addr` is an enrolled pod.
+INLINE int hidden(__u8 *addr)
+{
+	if (!bpf_map_lookup_elem(&mbt_pods, addr))
+		return TC_ACT_OK;
+	count(STAT_MALFORMED);
+	return TC_ACT_SHOT;
 }
 
 INLINE void mark(struct __sk_buff *skb)
@@ -197,8 +227,11 @@ SEC("classifier/from_pod")
 int mbt_from_pod(struct __sk_buff *skb)
 {
 	struct packet p = {};
+	int r = parse(skb, &p);
 
-	if (parse(skb, &p))
+	if (r == HIDDEN_TCP)
+		return hidden(p.src);
+	if (r != PARSED)
 		return TC_ACT_OK;
 	if (!p.syn)
 		return to_owner(skb, &p);
@@ -211,8 +244,11 @@ SEC("classifier/from_uplink")
 int mbt_from_uplink(struct __sk_buff *skb)
 {
 	struct packet p = {};
+	int r = parse(skb, &p);
 
-	if (parse(skb, &p))
+	if (r == HIDDEN_TCP)
+		return hidden(p.dst);
+	if (r != PARSED)
 		return TC_ACT_OK;
 	if (!p.syn)
 		return to_owner(skb, &p);
