@@ -84,7 +84,7 @@ struct RunArgs {
     /// [env: MBTUNNEL_SIGNER_BACKEND]
     #[arg(long)]
     signer_backend: Option<String>,
-    /// Signer threads (0 = one per CPU of the quota). [env: MBTUNNEL_SIGNER_THREADS]
+    /// Signer threads (0 = half the CPU limit, at least one). [env: MBTUNNEL_SIGNER_THREADS]
     #[arg(long)]
     signer_threads: Option<usize>,
     /// Log format: text or json. [env: MBTUNNEL_LOG_FORMAT]
@@ -101,6 +101,23 @@ enum RedirectAction {
     Remove,
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BenchMode {
+    SignerIfma,
+    SignerScalar,
+    Inline,
+}
+
+impl BenchMode {
+    fn mode(self) -> mbtunnel::bench::Mode {
+        match self {
+            BenchMode::SignerIfma => mbtunnel::bench::Mode::SignerIfma,
+            BenchMode::SignerScalar => mbtunnel::bench::Mode::SignerScalar,
+            BenchMode::Inline => mbtunnel::bench::Mode::Inline,
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Bench {
     /// Concurrent mTLS handshakes: signer on IFMA vs signer on scalar vs inline BoringSSL.
@@ -114,9 +131,19 @@ enum Bench {
         /// Workload key algorithms, comma separated.
         #[arg(long, default_value = "rsa-2048,ecdsa-p256", value_delimiter = ',')]
         keys: Vec<KeyAlgorithm>,
-        /// Signer threads per side (0 = one per CPU).
+        /// Signer threads per side (0 = the default: half the CPUs, at least one).
         #[arg(long, default_value_t = 0)]
         signer_threads: usize,
+        /// Modes to run, comma separated: signer-ifma, signer-scalar, inline.
+        #[arg(long, default_value = "signer-ifma,signer-scalar,inline", value_delimiter = ',')]
+        modes: Vec<BenchMode>,
+        /// Adaptive fill bound in microseconds for every key class (unset = the signer's
+        /// per-class defaults; 0 = off).
+        #[arg(long)]
+        signer_fill_us: Option<u64>,
+        /// Rounds per point, the modes taking turns; each figure is the median over the rounds.
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -359,13 +386,24 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(Bench::Handshakes { seconds, concurrency, keys, signer_threads, json }) => {
+        Cmd::Bench(Bench::Handshakes {
+            seconds,
+            concurrency,
+            keys,
+            signer_threads,
+            modes,
+            signer_fill_us,
+            repeat,
+            json,
+        }) => {
             let opts = mbtunnel::bench::BenchOptions {
                 duration: std::time::Duration::from_secs_f64(seconds),
                 concurrency,
                 keys,
+                modes: modes.into_iter().map(BenchMode::mode).collect(),
                 signer_threads,
-                ..Default::default()
+                fill_wait: signer_fill_us.map(std::time::Duration::from_micros),
+                repeat,
             };
             let r = mbtunnel::bench::run(&opts)?;
             if json {
