@@ -293,6 +293,14 @@ struct Shared {
     held: AtomicBool,
 }
 
+/// Which thread a new request wakes (see [`Signer::sign`]).
+enum Wake {
+    /// One idle thread.
+    Idle,
+    /// The thread(s) holding a batch open.
+    Filler,
+}
+
 /// Handle to the signer. Cheap to clone; the threads stop when the last handle is dropped.
 #[derive(Clone)]
 pub struct Signer {
@@ -372,9 +380,18 @@ impl Signer {
             .into_iter()
             .map(|(c, n)| (c.as_str().to_string(), n.into()))
             .collect();
+        let fill: serde_json::Map<String, serde_json::Value> = KeyClass::ALL
+            .iter()
+            .filter(|c| **c != KeyClass::Other)
+            .map(|c| {
+                let us = self.shared.cfg.fill_wait_for(*c).as_micros() as u64;
+                (c.as_str().to_string(), us.into())
+            })
+            .collect();
         serde_json::json!({
             "config": self.shared.cfg,
             "threads": self.shared.cfg.thread_count(),
+            "fill_wait_us": fill,
             "queue_depth": depths,
             "live_keys": keys,
             "batches": self.batches(),
@@ -404,7 +421,7 @@ impl Signer {
             span: tracing::Span::current(),
             enqueued: Instant::now(),
         };
-        {
+        let wake = {
             let mut q = self.shared.queues.lock().unwrap();
             if q.shutdown {
                 return Err(SignError::ShutDown);
@@ -429,16 +446,23 @@ impl Signer {
             // looks). A thread filling this class is woken only once there are eight (it wakes
             // by itself when arrivals pause); a filler of another class is woken when no idle
             // thread is left to take this request.
+            // The wake-up itself happens after the lock is released, so that the woken thread
+            // does not wake only to block on the lock.
             let c = class.index();
             if q.filling[c] {
-                if q.by_class[c].len() >= crate::mb::LANES {
-                    self.shared.full.notify_all();
-                }
+                (q.by_class[c].len() >= crate::mb::LANES).then_some(Wake::Filler)
             } else if q.sleepers > 0 {
-                self.shared.ready.notify_one();
+                Some(Wake::Idle)
             } else if q.filling.iter().any(|f| *f) {
-                self.shared.full.notify_all();
+                Some(Wake::Filler)
+            } else {
+                None
             }
+        };
+        match wake {
+            Some(Wake::Idle) => self.shared.ready.notify_one(),
+            Some(Wake::Filler) => self.shared.full.notify_all(),
+            None => {}
         }
         rx.await.map_err(|_| SignError::WorkerPanicked)?
     }
