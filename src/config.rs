@@ -505,3 +505,22 @@ nodes:
         assert!(e.to_string().contains("INPOD_ENABLED"), "{e}");
     }
 }
+
+#[cfg(test)]
+mod signer_settings_tests {
+    use super::*;
+
+    #[test]
+    fn signer_sizing_and_fill_settings_parse_from_file_and_env() {
+        let text =
+            "signer_threads: 0\ncpu_limit: 4\nsigner_max_wait_us: 0\nsigner_fill_wait_us: 0\n";
+        let mut cfg = Config::from_yaml(text, Path::new("t.yaml")).unwrap();
+        assert_eq!((cfg.cpu_limit, cfg.signer_fill_wait_us), (4, Some(0)));
+        cfg.apply_env(|k| (k == env::CPU_LIMIT).then(|| " 2 ".to_string())).unwrap();
+        assert_eq!(cfg.cpu_limit, 2);
+        let e = cfg.apply_env(|k| (k == env::CPU_LIMIT).then(|| "1500m".to_string()));
+        assert!(e.unwrap_err().to_string().contains(env::CPU_LIMIT));
+        let unset = Config::from_yaml("node_name: n\n", Path::new("t.yaml")).unwrap();
+        assert_eq!((unset.cpu_limit, unset.signer_fill_wait_us), (0, None));
+    }
+}
