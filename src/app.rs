@@ -92,10 +92,12 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let transparent = cfg.transparent || cfg.ebpf_enabled;
     let signer = Signer::start(SignerConfig {
         threads: cfg.signer_threads,
+        cpus: cfg.cpu_limit,
         max_wait: Duration::from_micros(cfg.signer_max_wait_us),
         queue_limit: cfg.signer_queue_limit,
         scalar_below: cfg.signer_scalar_below,
         backend: backend.backend,
+        fill_wait: cfg.signer_fill_wait_us.map(Duration::from_micros),
     });
     signer.metrics().register(&mut registry, backend);
     tracing::info!(
@@ -103,6 +105,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         max_wait_us = cfg.signer_max_wait_us,
         queue_limit = cfg.signer_queue_limit,
         scalar_below = ?cfg.signer_scalar_below,
+        fill_wait_us = ?cfg.signer_fill_wait_us,
         "signer started"
     );
     let tls = Arc::new(TlsProvider::new(

@@ -46,8 +46,12 @@ pub struct BenchOptions {
     pub concurrency: Vec<usize>,
     pub keys: Vec<KeyAlgorithm>,
     pub modes: Vec<Mode>,
-    /// Signer threads per side (0 = one per CPU).
+    /// Signer threads per side (0 = the signer's default sizing).
     pub signer_threads: usize,
+    /// Adaptive fill bound for every class (`None` = the signer's per-class defaults, zero = off).
+    pub fill_wait: Option<Duration>,
+    /// Rounds per point (modes interleaved); figures are medians over the rounds.
+    pub repeat: usize,
 }
 
 impl Default for BenchOptions {
@@ -58,6 +62,8 @@ impl Default for BenchOptions {
             keys: vec![KeyAlgorithm::Rsa2048, KeyAlgorithm::EcdsaP256],
             modes: vec![Mode::SignerIfma, Mode::SignerScalar, Mode::Inline],
             signer_threads: 0,
+            fill_wait: None,
+            repeat: 1,
         }
     }
 }
@@ -84,6 +90,8 @@ pub struct BenchRow {
 pub struct BenchReport {
     pub cpus: usize,
     pub seconds_per_point: f64,
+    /// Rounds per point; each figure is the median over them.
+    pub repeat: usize,
     pub rows: Vec<BenchRow>,
 }
 
@@ -108,11 +116,12 @@ fn side(
     key: KeyAlgorithm,
     mode: Mode,
     threads: usize,
+    fill_wait: Option<Duration>,
 ) -> anyhow::Result<Side> {
     let ca = DevCa::load_or_create(dir, "cluster.local")?;
     let store = Arc::new(CertStore::new(ca, key, Duration::from_secs(3600)));
     let backend = if mode == Mode::SignerIfma { Backend::Ifma } else { Backend::Scalar };
-    let signer = Signer::start(SignerConfig { threads, backend, ..Default::default() });
+    let signer = Signer::start(SignerConfig { threads, backend, fill_wait, ..Default::default() });
     let mut reg = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(&mut reg));
     let mut tls = TlsProvider::new(store, signer.clone(), "cluster.local".into(), metrics);
@@ -143,6 +152,145 @@ pub fn run(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     rt.block_on(run_async(opts))
 }
 
+struct Running {
+    mode: Mode,
+    client: Side,
+    server: Side,
+    addr: std::net::SocketAddr,
+    acceptor: tokio::task::JoinHandle<()>,
+}
+
+async fn start_pair(
+    dir: &std::path::Path,
+    key: KeyAlgorithm,
+    mode: Mode,
+    opts: &BenchOptions,
+    server_id: &Identity,
+    client_id: &Identity,
+) -> anyhow::Result<Running> {
+    let server = side(dir, key, mode, opts.signer_threads, opts.fill_wait)?;
+    let client = side(dir, key, mode, opts.signer_threads, opts.fill_wait)?;
+    server.tls.store().fetch(server_id)?;
+    client.tls.store().fetch(client_id)?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let stls = server.tls.clone();
+    let sid = server_id.clone();
+    let acceptor = tokio::spawn(async move {
+        loop {
+            let Ok((s, _)) = listener.accept().await else { return };
+            let _ = s.set_nodelay(true);
+            let (tls, sid) = (stls.clone(), sid.clone());
+            tokio::spawn(async move {
+                if let Ok((mut s, _)) = tls.accept(s, &sid).await {
+                    let _ = s.write_all(b"k").await;
+                    let _ = s.shutdown().await;
+                }
+            });
+        }
+    });
+    Ok(Running { mode, client, server, addr, acceptor })
+}
+
+/// One measured point: `conc` clients doing back-to-back handshakes for `duration`.
+async fn measure(
+    r: &Running,
+    key: KeyAlgorithm,
+    conc: usize,
+    duration: Duration,
+    server_id: &Identity,
+    client_id: &Identity,
+) -> anyhow::Result<BenchRow> {
+    let (b0s, b0c) = (batch_totals(&r.server.signer), batch_totals(&r.client.signer));
+    let cpu0 = process_cpu_seconds();
+    let start = Instant::now();
+    let end = start + duration;
+    let addr = r.addr;
+    let mut tasks = Vec::new();
+    for _ in 0..conc {
+        let (tls, cid, sid) = (r.client.tls.clone(), client_id.clone(), server_id.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut fails = 0usize;
+            while Instant::now() < end {
+                let t = Instant::now();
+                let ok = async {
+                    let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+                    let _ = tcp.set_nodelay(true);
+                    let mut s = tls.connect(tcp, &cid, &sid).await.ok()?;
+                    let mut b = [0u8; 1];
+                    s.read_exact(&mut b).await.ok()
+                }
+                .await;
+                match ok {
+                    Some(_) => lat.push(t.elapsed().as_secs_f64() * 1e3),
+                    None => fails += 1,
+                }
+            }
+            (lat, fails)
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut failures = 0;
+    for t in tasks {
+        let (l, f) = t.await?;
+        lat.extend(l);
+        failures += f;
+    }
+    let wall = start.elapsed().as_secs_f64();
+    let cpu = process_cpu_seconds() - cpu0;
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let pct =
+        |p: f64| lat.get(((lat.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0);
+    let (b1s, b1c) = (batch_totals(&r.server.signer), batch_totals(&r.client.signer));
+    let (sum, count) = ((b1s.0 - b0s.0) + (b1c.0 - b0c.0), (b1s.1 - b0s.1) + (b1c.1 - b0c.1));
+    let n = lat.len();
+    eprintln!("bench: {key:?} {} c={conc}: {:.0} hs/s", r.mode.as_str(), n as f64 / wall);
+    Ok(BenchRow {
+        key,
+        mode: r.mode,
+        concurrency: conc,
+        handshakes: n,
+        failures,
+        handshakes_per_s: n as f64 / wall,
+        p50_ms: pct(0.5),
+        p99_ms: pct(0.99),
+        mean_batch: (count > 0.0).then(|| sum / count),
+        cpu_s_per_1000: if n > 0 { cpu / n as f64 * 1000.0 } else { 0.0 },
+        vs_inline: None,
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The median of each figure over repeats of one point; `vs_inline` is the median of the
+/// per-round ratios against the inline point measured next to it.
+fn median_row(rows: &[BenchRow]) -> BenchRow {
+    let m = |f: &dyn Fn(&BenchRow) -> f64| median(rows.iter().map(f).collect());
+    let ratios: Vec<f64> = rows.iter().filter_map(|r| r.vs_inline).collect();
+    BenchRow {
+        handshakes: rows.iter().map(|r| r.handshakes).sum(),
+        failures: rows.iter().map(|r| r.failures).sum(),
+        handshakes_per_s: m(&|r| r.handshakes_per_s),
+        p50_ms: m(&|r| r.p50_ms),
+        p99_ms: m(&|r| r.p99_ms),
+        mean_batch: rows[0].mean_batch.map(|_| m(&|r| r.mean_batch.unwrap_or(0.0))),
+        cpu_s_per_1000: m(&|r| r.cpu_s_per_1000),
+        vs_inline: (!ratios.is_empty()).then(|| median(ratios)),
+        ..rows[0].clone()
+    }
+}
+
 async fn run_async(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let dir = std::env::temp_dir().join(format!("mbtunnel-bench-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -150,112 +298,51 @@ async fn run_async(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     let client_id: Identity = "spiffe://cluster.local/ns/bench/sa/client".parse()?;
     let mut rows = Vec::new();
     for &key in &opts.keys {
+        // Every mode's pair of sides is up at once and the modes take turns at each point, so
+        // that a ratio compares figures measured seconds apart (this machine is shared).
+        let mut pairs = Vec::new();
         for &mode in &opts.modes {
             if mode == Mode::SignerIfma && !crate::mb::cpu_features().ifma_capable() {
                 eprintln!("bench: skipping signer-ifma: CPU lacks AVX-512 IFMA");
                 continue;
             }
-            let server = side(&dir, key, mode, opts.signer_threads)?;
-            let client = side(&dir, key, mode, opts.signer_threads)?;
-            server.tls.store().fetch(&server_id)?;
-            client.tls.store().fetch(&client_id)?;
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let addr = listener.local_addr()?;
-            let stls = server.tls.clone();
-            let sid = server_id.clone();
-            let acceptor = tokio::spawn(async move {
-                loop {
-                    let Ok((s, _)) = listener.accept().await else { return };
-                    let _ = s.set_nodelay(true);
-                    let (tls, sid) = (stls.clone(), sid.clone());
-                    tokio::spawn(async move {
-                        if let Ok((mut s, _)) = tls.accept(s, &sid).await {
-                            let _ = s.write_all(b"k").await;
-                            let _ = s.shutdown().await;
-                        }
-                    });
+            pairs.push(start_pair(&dir, key, mode, opts, &server_id, &client_id).await?);
+        }
+        for &conc in &opts.concurrency {
+            let mut runs: Vec<Vec<BenchRow>> = vec![Vec::new(); pairs.len()];
+            for _ in 0..opts.repeat.max(1) {
+                let mut round = Vec::new();
+                for p in &pairs {
+                    round.push(measure(p, key, conc, opts.duration, &server_id, &client_id).await?);
                 }
-            });
-            for &conc in &opts.concurrency {
-                let (b0s, b0c) = (batch_totals(&server.signer), batch_totals(&client.signer));
-                let cpu0 = process_cpu_seconds();
-                let start = Instant::now();
-                let end = start + opts.duration;
-                let mut tasks = Vec::new();
-                for _ in 0..conc {
-                    let (tls, cid, sid) =
-                        (client.tls.clone(), client_id.clone(), server_id.clone());
-                    tasks.push(tokio::spawn(async move {
-                        let mut lat = Vec::new();
-                        let mut fails = 0usize;
-                        while Instant::now() < end {
-                            let t = Instant::now();
-                            let ok = async {
-                                let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
-                                let _ = tcp.set_nodelay(true);
-                                let mut s = tls.connect(tcp, &cid, &sid).await.ok()?;
-                                let mut b = [0u8; 1];
-                                s.read_exact(&mut b).await.ok()
-                            }
-                            .await;
-                            match ok {
-                                Some(_) => lat.push(t.elapsed().as_secs_f64() * 1e3),
-                                None => fails += 1,
-                            }
-                        }
-                        (lat, fails)
-                    }));
+                let base = round
+                    .iter()
+                    .find(|r| r.mode == Mode::Inline)
+                    .map(|r| r.handshakes_per_s)
+                    .filter(|b| *b > 0.0);
+                for (i, mut r) in round.into_iter().enumerate() {
+                    r.vs_inline = base.map(|b| r.handshakes_per_s / b);
+                    runs[i].push(r);
                 }
-                let mut lat = Vec::new();
-                let mut failures = 0;
-                for t in tasks {
-                    let (l, f) = t.await?;
-                    lat.extend(l);
-                    failures += f;
-                }
-                let wall = start.elapsed().as_secs_f64();
-                let cpu = process_cpu_seconds() - cpu0;
-                lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
-                let pct = |p: f64| {
-                    lat.get(((lat.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
-                };
-                let (b1s, b1c) = (batch_totals(&server.signer), batch_totals(&client.signer));
-                let (sum, count) =
-                    ((b1s.0 - b0s.0) + (b1c.0 - b0c.0), (b1s.1 - b0s.1) + (b1c.1 - b0c.1));
-                let n = lat.len();
-                rows.push(BenchRow {
-                    key,
-                    mode,
-                    concurrency: conc,
-                    handshakes: n,
-                    failures,
-                    handshakes_per_s: n as f64 / wall,
-                    p50_ms: pct(0.5),
-                    p99_ms: pct(0.99),
-                    mean_batch: (count > 0.0).then(|| sum / count),
-                    cpu_s_per_1000: if n > 0 { cpu / n as f64 * 1000.0 } else { 0.0 },
-                    vs_inline: None,
-                });
-                eprintln!("bench: {key:?} {} c={conc}: {:.0} hs/s", mode.as_str(), n as f64 / wall);
             }
-            acceptor.abort();
+            rows.extend(runs.iter().map(|r| median_row(r)));
+        }
+        for p in pairs {
+            p.acceptor.abort();
         }
     }
-    for i in 0..rows.len() {
-        let base = rows
-            .iter()
-            .find(|r| {
-                r.mode == Mode::Inline
-                    && r.key == rows[i].key
-                    && r.concurrency == rows[i].concurrency
-            })
-            .map(|r| r.handshakes_per_s);
-        rows[i].vs_inline = base.filter(|b| *b > 0.0).map(|b| rows[i].handshakes_per_s / b);
-    }
+    rows.sort_by_key(|r| {
+        (
+            opts.keys.iter().position(|k| *k == r.key),
+            opts.modes.iter().position(|m| *m == r.mode),
+            r.concurrency,
+        )
+    });
     let _ = std::fs::remove_dir_all(&dir);
     Ok(BenchReport {
         cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         seconds_per_point: opts.duration.as_secs_f64(),
+        repeat: opts.repeat.max(1),
         rows,
     })
 }
@@ -264,8 +351,9 @@ impl std::fmt::Display for BenchReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "mTLS handshakes, client and server sides in one process ({} CPUs), {:.1} s per point",
-            self.cpus, self.seconds_per_point
+            "mTLS handshakes, client and server sides in one process ({} CPUs), {:.1} s per point, \
+             median of {} interleaved round(s)",
+            self.cpus, self.seconds_per_point, self.repeat
         )?;
         writeln!(
             f,

@@ -21,6 +21,8 @@ pub mod env {
     pub const SIGNER_BACKEND: &str = crate::mb::BACKEND_ENV;
     pub const LOG_FORMAT: &str = "MBTUNNEL_LOG_FORMAT";
     pub const SIGNER_THREADS: &str = "MBTUNNEL_SIGNER_THREADS";
+    /// Whole CPUs the proxy may use (the DaemonSet passes `limits.cpu`); sizes the signer.
+    pub const CPU_LIMIT: &str = "MBTUNNEL_CPU_LIMIT";
     pub const LOG: &str = "RUST_LOG";
     /// `true`/`false`: in-pod mode (the names ztunnel uses).
     pub const INPOD_ENABLED: &str = "INPOD_ENABLED";
@@ -180,8 +182,10 @@ pub struct Config {
     pub log_level: String,
     /// `auto`, `ifma` or `scalar`.
     pub signer_backend: String,
-    /// Signer threads; 0 = one per CPU of the process's quota.
+    /// Signer threads; 0 = half of `cpu_limit` (at least one).
     pub signer_threads: usize,
+    /// Whole CPUs the proxy may use; 0 = the process's CPU quota as detected.
+    pub cpu_limit: usize,
     /// How long an idle signer thread may wait for a fuller batch, in microseconds (0 = never).
     pub signer_max_wait_us: u64,
     /// Requests allowed to wait in the signer; beyond it handshakes fail fast.
@@ -189,6 +193,10 @@ pub struct Config {
     /// Batches of at most this many requests use BoringSSL single-op (faster for so few).
     /// Unset: the measured per-class defaults (2 for RSA, 1 for ECDSA P-256).
     pub signer_scalar_below: Option<usize>,
+    /// Adaptive fill bound in microseconds: under load, how long a forming batch of two or more
+    /// may be held open for more lanes while requests keep arriving. Unset: per-class defaults
+    /// (about three batch times for RSA, off for ECDSA P-256); 0 = off.
+    pub signer_fill_wait_us: Option<u64>,
     /// In-pod mode: take pods from istio-cni over ZDS and open their listeners inside each pod's
     /// network namespace. The served workloads are then the enrolled pods (by uid), not those
     /// whose `node` is `node_name`.
@@ -229,9 +237,11 @@ impl Default for Config {
             log_level: "info".into(),
             signer_backend: "auto".into(),
             signer_threads: 0,
+            cpu_limit: 0,
             signer_max_wait_us: 0,
             signer_queue_limit: 4096,
             signer_scalar_below: None,
+            signer_fill_wait_us: None,
             inpod_enabled: false,
             inpod_socket: PathBuf::from("/var/run/ztunnel/ztunnel.sock"),
             ebpf_enabled: false,
@@ -283,6 +293,14 @@ impl Config {
                 ConfigError::Invalid(format!(
                     "{}: '{v}' is not a thread count",
                     env::SIGNER_THREADS
+                ))
+            })?;
+        }
+        if let Some(v) = get(env::CPU_LIMIT) {
+            self.cpu_limit = v.trim().parse().map_err(|_| {
+                ConfigError::Invalid(format!(
+                    "{}: '{v}' is not a whole number of CPUs",
+                    env::CPU_LIMIT
                 ))
             })?;
         }
@@ -522,5 +540,24 @@ nodes:
         assert!(e.to_string().contains("choose one"), "{e}");
         let e = Config::from_yaml("ebpf_uplinks: [eth0]\n", Path::new("t.yaml")).unwrap_err();
         assert!(e.to_string().contains("ebpf_enabled is false"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod signer_settings_tests {
+    use super::*;
+
+    #[test]
+    fn signer_sizing_and_fill_settings_parse_from_file_and_env() {
+        let text =
+            "signer_threads: 0\ncpu_limit: 4\nsigner_max_wait_us: 0\nsigner_fill_wait_us: 0\n";
+        let mut cfg = Config::from_yaml(text, Path::new("t.yaml")).unwrap();
+        assert_eq!((cfg.cpu_limit, cfg.signer_fill_wait_us), (4, Some(0)));
+        cfg.apply_env(|k| (k == env::CPU_LIMIT).then(|| " 2 ".to_string())).unwrap();
+        assert_eq!(cfg.cpu_limit, 2);
+        let e = cfg.apply_env(|k| (k == env::CPU_LIMIT).then(|| "1500m".to_string()));
+        assert!(e.unwrap_err().to_string().contains(env::CPU_LIMIT));
+        let unset = Config::from_yaml("node_name: n\n", Path::new("t.yaml")).unwrap();
+        assert_eq!((unset.cpu_limit, unset.signer_fill_wait_us), (0, None));
     }
 }

@@ -77,9 +77,13 @@ struct RunArgs {
     /// [env: MBTUNNEL_SIGNER_BACKEND]
     #[arg(long)]
     signer_backend: Option<String>,
-    /// Signer threads (0 = one per CPU of the quota). [env: MBTUNNEL_SIGNER_THREADS]
+    /// Signer threads (0 = half the CPU limit, at least one). [env: MBTUNNEL_SIGNER_THREADS]
     #[arg(long)]
     signer_threads: Option<usize>,
+    /// Whole CPUs the proxy may use (0 = the detected CPU quota); the signer runs half as many
+    /// threads, at least one. The DaemonSet passes `limits.cpu`. [env: MBTUNNEL_CPU_LIMIT]
+    #[arg(long)]
+    cpu_limit: Option<usize>,
     /// Log format: text or json. [env: MBTUNNEL_LOG_FORMAT]
     #[arg(long)]
     log_format: Option<String>,
@@ -101,6 +105,23 @@ struct RunArgs {
 enum RedirectAction {
     Apply,
     Remove,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum BenchMode {
+    SignerIfma,
+    SignerScalar,
+    Inline,
+}
+
+impl BenchMode {
+    fn mode(self) -> mbtunnel::bench::Mode {
+        match self {
+            BenchMode::SignerIfma => mbtunnel::bench::Mode::SignerIfma,
+            BenchMode::SignerScalar => mbtunnel::bench::Mode::SignerScalar,
+            BenchMode::Inline => mbtunnel::bench::Mode::Inline,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -249,9 +270,19 @@ enum Bench {
         /// Workload key algorithms, comma separated.
         #[arg(long, default_value = "rsa-2048,ecdsa-p256", value_delimiter = ',')]
         keys: Vec<KeyAlgorithm>,
-        /// Signer threads per side (0 = one per CPU).
+        /// Signer threads per side (0 = the default: half the CPUs, at least one).
         #[arg(long, default_value_t = 0)]
         signer_threads: usize,
+        /// Modes to run, comma separated: signer-ifma, signer-scalar, inline.
+        #[arg(long, default_value = "signer-ifma,signer-scalar,inline", value_delimiter = ',')]
+        modes: Vec<BenchMode>,
+        /// Adaptive fill bound in microseconds for every key class (unset = the signer's
+        /// per-class defaults; 0 = off).
+        #[arg(long)]
+        signer_fill_us: Option<u64>,
+        /// Rounds per point, the modes taking turns; each figure is the median over the rounds.
+        #[arg(long, default_value_t = 1)]
+        repeat: usize,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -384,6 +415,9 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     if let Some(v) = a.signer_threads {
         cfg.signer_threads = v;
     }
+    if let Some(v) = a.cpu_limit {
+        cfg.cpu_limit = v;
+    }
     if let Some(v) = &a.log_format {
         cfg.log_format = match v.as_str() {
             "json" => LogFormat::Json,
@@ -500,13 +534,24 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Bench(Bench::Handshakes { seconds, concurrency, keys, signer_threads, json }) => {
+        Cmd::Bench(Bench::Handshakes {
+            seconds,
+            concurrency,
+            keys,
+            signer_threads,
+            modes,
+            signer_fill_us,
+            repeat,
+            json,
+        }) => {
             let opts = mbtunnel::bench::BenchOptions {
                 duration: std::time::Duration::from_secs_f64(seconds),
                 concurrency,
                 keys,
+                modes: modes.into_iter().map(BenchMode::mode).collect(),
                 signer_threads,
-                ..Default::default()
+                fill_wait: signer_fill_us.map(std::time::Duration::from_micros),
+                repeat,
             };
             let r = mbtunnel::bench::run(&opts)?;
             if json {

@@ -295,7 +295,8 @@ fn signer_threads_follow_the_cpu_limit() {
     let ds = daemonset();
     let c = container(&ds);
     assert!(!c["resources"]["limits"]["cpu"].is_null(), "a CPU limit is set");
-    let e = env_of(c, "MBTUNNEL_SIGNER_THREADS").expect("MBTUNNEL_SIGNER_THREADS");
+    let e = env_of(c, "MBTUNNEL_CPU_LIMIT").expect("MBTUNNEL_CPU_LIMIT");
+    assert!(env_of(c, "MBTUNNEL_SIGNER_THREADS").is_none(), "threads follow the limit, not a pin");
     let r = &e["valueFrom"]["resourceFieldRef"];
     assert_eq!(r["resource"], "limits.cpu");
     assert_eq!(r["containerName"], "mbtunnel");
@@ -303,8 +304,17 @@ fn signer_threads_follow_the_cpu_limit() {
     // What the kubelet puts there (the limit in whole CPUs) is what the config reads.
     let limit = c["resources"]["limits"]["cpu"].as_str().expect("CPU limit in whole CPUs");
     let mut cfg = configmap_config();
-    cfg.apply_env(|k| (k == env::SIGNER_THREADS).then(|| limit.to_string())).unwrap();
-    assert_eq!(cfg.signer_threads.to_string(), limit);
+    cfg.apply_env(|k| (k == env::CPU_LIMIT).then(|| limit.to_string())).unwrap();
+    assert_eq!(cfg.cpu_limit.to_string(), limit);
+    assert_eq!(cfg.signer_threads, 0, "the signer sizes itself from the limit");
+    let signer = mbtunnel::signer::SignerConfig {
+        threads: cfg.signer_threads,
+        cpus: cfg.cpu_limit,
+        ..Default::default()
+    };
+    let cpus: usize = limit.parse().unwrap();
+    assert_eq!(signer.thread_count(), mbtunnel::signer::default_threads(cpus));
+    assert_eq!(signer.thread_count(), (cpus / 2).max(1));
 }
 
 #[test]
@@ -318,6 +328,7 @@ fn daemonset_env_names_are_the_binarys() {
         env::SIGNER_BACKEND,
         env::LOG_FORMAT,
         env::SIGNER_THREADS,
+        env::CPU_LIMIT,
         env::LOG,
     ];
     let ds = daemonset();

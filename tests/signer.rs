@@ -350,3 +350,111 @@ async fn rotation_under_load_registers_new_keys_and_retires_old() {
     assert_eq!(live, 8, "old keys must retire once their contexts are gone");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// Adaptive fill: sends `n` RSA-2048 requests `gap` apart, the first `held` of them while the
+/// signer takes nothing, and returns (batches, lanes, fill holds) from the metrics.
+async fn spaced_requests(
+    fill_wait: Option<Duration>,
+    held: usize,
+    n: usize,
+    gap: Duration,
+) -> (f64, f64, f64) {
+    let (signer, reg) = signer(SignerConfig { threads: 1, fill_wait, ..Default::default() });
+    let pkey = rsa_key();
+    let key = signer.register(pkey.clone());
+    let alg = SslSignatureAlgorithm::RSA_PSS_RSAE_SHA256;
+    signer.hold(held > 0);
+    let mut pending = Vec::new();
+    for i in 0..n {
+        if i == held && held > 0 {
+            signer.hold(false);
+        }
+        let (s, k) = (signer.clone(), key.clone());
+        pending.push(tokio::spawn(async move { s.sign(k, vec![i as u8; 32], alg).await }));
+        tokio::time::sleep(gap).await;
+    }
+    signer.hold(false);
+    for (i, p) in pending.into_iter().enumerate() {
+        let sig = p.await.unwrap().expect("signed");
+        assert!(verify(&pkey, alg, &[i as u8; 32], &sig));
+    }
+    let t = metrics_text(&reg);
+    (
+        value(&t, "mbtunnel_signer_batch_size_count"),
+        value(&t, "mbtunnel_signer_batch_size_sum"),
+        value(&t, "mbtunnel_signer_fill_holds_total"),
+    )
+}
+
+fn ifma_or_skip() -> bool {
+    let ok = mbtunnel::mb::cpu_features().ifma_capable();
+    if !ok {
+        eprintln!("skipped: adaptive fill applies to the IFMA backend, not available here");
+    }
+    ok
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_fill_holds_a_batch_open_while_requests_keep_arriving() {
+    if !ifma_or_skip() {
+        return;
+    }
+    // Two requests queue while the signer is held, then six more follow 10 ms apart: the
+    // arrival gap (10 ms) promises more lanes well within the bound, so the batch of two is held
+    // open and the stream fills it, instead of one batch of two and six singles.
+    let (batches, lanes, holds) =
+        spaced_requests(Some(Duration::from_secs(5)), 2, 8, Duration::from_millis(10)).await;
+    println!("adaptive fill: {batches} batches, {lanes} lanes, {holds} holds");
+    assert_eq!(lanes, 8.0);
+    assert!(holds >= 1.0, "the rule held the batch open");
+    assert!(batches <= 3.0, "batches filled from the stream: {batches} batches for 8 requests");
+    // The same stream with the rule off: every arrival is taken as it comes.
+    let (batches, _, holds) =
+        spaced_requests(Some(Duration::ZERO), 2, 8, Duration::from_millis(10)).await;
+    assert_eq!(holds, 0.0);
+    assert!(batches >= 5.0, "without the rule the stream is signed as it arrives: {batches}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_fill_never_holds_a_lone_request() {
+    if !ifma_or_skip() {
+        return;
+    }
+    // A burst (so recent arrivals look busy), then requests one after another: however recent
+    // the burst and however long the bound (5 s), a request alone in its queue starts at once.
+    let (signer, reg) = signer(SignerConfig {
+        threads: 1,
+        fill_wait: Some(Duration::from_secs(5)),
+        ..Default::default()
+    });
+    let pkey = rsa_key();
+    let key = signer.register(pkey.clone());
+    let alg = SslSignatureAlgorithm::RSA_PKCS1_SHA256;
+    let burst: Vec<_> = (0..8u8)
+        .map(|i| {
+            let (s, k) = (signer.clone(), key.clone());
+            tokio::spawn(async move { s.sign(k, vec![i; 32], alg).await })
+        })
+        .collect();
+    for b in burst {
+        b.await.unwrap().expect("signed");
+    }
+    let t = metrics_text(&reg);
+    let (holds0, batches0) = (
+        value(&t, "mbtunnel_signer_fill_holds_total"),
+        value(&t, "mbtunnel_signer_batch_size_count"),
+    );
+    let wait0 = value(&t, "mbtunnel_signer_queue_wait_seconds_sum");
+    let t0 = std::time::Instant::now();
+    for i in 0..12u8 {
+        let sig = signer.sign(key.clone(), vec![i; 32], alg).await.expect("signed");
+        assert!(verify(&pkey, alg, &[i; 32], &sig));
+    }
+    let t = metrics_text(&reg);
+    assert_eq!(value(&t, "mbtunnel_signer_fill_holds_total"), holds0, "a lone request was held");
+    assert_eq!(value(&t, "mbtunnel_signer_batch_size_count") - batches0, 12.0);
+    let wait = (value(&t, "mbtunnel_signer_queue_wait_seconds_sum") - wait0) / 12.0;
+    println!("lone requests under a 5 s fill bound: mean queue wait {:.1} us", wait * 1e6);
+    assert!(wait < 0.5, "a lone request waited {wait} s");
+    assert!(t0.elapsed() < Duration::from_secs(4), "not delayed by the fill bound");
+}

@@ -20,6 +20,11 @@ pub struct AlgLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReasonLabels {
     pub reason: &'static str,
 }
@@ -34,6 +39,8 @@ pub struct SignerMetrics {
     pub rejected: Family<ReasonLabels, Counter>,
     pub fault_check_failures: Counter,
     pub thread_restarts: Counter,
+    /// Batches the adaptive fill rule held open for more lanes, by how the hold ended.
+    pub fill_holds: Family<OutcomeLabels, Counter>,
 }
 
 impl Default for SignerMetrics {
@@ -57,6 +64,7 @@ impl Default for SignerMetrics {
             rejected: Family::default(),
             fault_check_failures: Counter::default(),
             thread_restarts: Counter::default(),
+            fill_holds: Family::default(),
         }
     }
 }
@@ -88,6 +96,13 @@ impl SignerMetrics {
             "thread_restarts",
             "Signer threads restarted after a panic",
             self.thread_restarts.clone(),
+        );
+        r.register(
+            "fill_holds",
+            "Batches held open for more lanes by the adaptive fill rule, by how the hold ended \
+             (full: eight lanes; pause: arrivals paused; bound: the fill bound expired; \
+             other: another class needed the thread)",
+            self.fill_holds.clone(),
         );
         r.register(
             "backend",

@@ -9,6 +9,14 @@
 //! 1 for ECDSA) go to the BoringSSL single-op path, which is faster than a multi-buffer pass for so
 //! few.
 //!
+//! Adaptive fill (classes whose 8-lane pass costs the same for 1 or 8 lanes: RSA): under load, a
+//! thread may hold a forming batch open for more lanes — only while requests of that class keep
+//! arriving fast enough to expect two or more within the class's fill bound (about six batch
+//! times), and never for a request that is alone in its queue and arrived while the thread was
+//! not computing (a lone handshake, or requests one after another). The hold
+//! ends at eight lanes, when arrivals pause (no request for three average gaps), when the bound
+//! expires, or when another class needs the thread. See [`FillPolicy`].
+//!
 //! Backpressure: the queues are bounded; a full signer answers at once with
 //! [`SignError::QueueFull`] (the handshake fails and the client retries) instead of letting
 //! latency grow without bound. A panicking signer thread fails only its batch and is restarted.
@@ -38,7 +46,7 @@ use crate::mb::{Backend, MbError};
 use keys::MbKey;
 pub use keys::{KeyClass, KeyEntry, KeyTable};
 pub use metrics::SignerMetrics;
-use metrics::{AlgLabels, OpLabels, ReasonLabels};
+use metrics::{AlgLabels, OpLabels, OutcomeLabels, ReasonLabels};
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SignError {
@@ -69,8 +77,10 @@ impl From<MbError> for SignError {
 /// Signer settings.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct SignerConfig {
-    /// Signer threads (0 = one per CPU of the quota).
+    /// Signer threads (0 = [`default_threads`] of `cpus`).
     pub threads: usize,
+    /// CPUs the process may use, for the default thread count (0 = detect the quota).
+    pub cpus: usize,
     /// How long an idle thread may wait for a fuller batch (0 = take what is queued now).
     pub max_wait: Duration,
     /// Bound on queued requests across all classes.
@@ -81,6 +91,9 @@ pub struct SignerConfig {
     /// Backend for eligible keys.
     #[serde(serialize_with = "ser_backend")]
     pub backend: Backend,
+    /// Adaptive fill bound: the longest a forming batch is held open for more arrivals under
+    /// load. `None` = the per-class defaults ([`default_fill_wait`]); `Some(ZERO)` = off.
+    pub fill_wait: Option<Duration>,
 }
 
 fn ser_backend<S: serde::Serializer>(b: &Backend, s: S) -> Result<S::Ok, S::Error> {
@@ -100,14 +113,39 @@ pub fn default_scalar_below(class: KeyClass) -> usize {
     }
 }
 
+/// The adaptive-fill bound per class: about six 8-lane batch times for RSA (a batch costs
+/// 1.37 / 4.25 / 10.2 ms for RSA-2048 / 3072 / 4096 here). Measured for RSA-2048 with
+/// `mbtunnel bench handshakes` (`benches/README.md`): 4 ms fills batches to ~4 lanes at
+/// concurrency 64, 8 ms to ~5, 12 ms no further; RSA-3072/4096 are scaled by their batch time.
+/// Zero (off) for ECDSA P-256, whose pass (29 µs) costs little more than one single op (18 µs).
+pub fn default_fill_wait(class: KeyClass) -> Duration {
+    match class {
+        KeyClass::Rsa2048 => Duration::from_millis(8),
+        KeyClass::Rsa3072 => Duration::from_millis(25),
+        KeyClass::Rsa4096 => Duration::from_millis(60),
+        KeyClass::EcdsaP256 | KeyClass::Other => Duration::ZERO,
+    }
+}
+
+/// Default signer threads for a CPU quota: half of it, at least one. The signer threads share the
+/// CPUs with the tokio workers that do the rest of each handshake (most of its CPU once signing is
+/// batched), and every extra thread splits the queue into smaller batches. Measured on 2 vCPUs
+/// (`benches/README.md`): one thread per side beat two for RSA-2048 (fuller batches, less CPU per
+/// handshake) and for ECDSA P-256 (fewer threads competing for the two CPUs).
+pub fn default_threads(cpus: usize) -> usize {
+    (cpus / 2).max(1)
+}
+
 impl Default for SignerConfig {
     fn default() -> Self {
         SignerConfig {
             threads: 0,
+            cpus: 0,
             max_wait: Duration::ZERO,
             queue_limit: 4096,
             scalar_below: None,
             backend: crate::mb::backend(),
+            fill_wait: None,
         }
     }
 }
@@ -122,12 +160,26 @@ impl SignerConfig {
         }
     }
 
+    /// The adaptive-fill bound in force for `class` (zero = off).
+    pub fn fill_wait_for(&self, class: KeyClass) -> Duration {
+        match (class, self.fill_wait) {
+            (KeyClass::Other, _) => Duration::ZERO,
+            _ if self.backend == Backend::Scalar => Duration::ZERO,
+            (_, Some(d)) => d,
+            (c, None) => default_fill_wait(c),
+        }
+    }
+
     pub fn thread_count(&self) -> usize {
         if self.threads > 0 {
-            self.threads
+            return self.threads;
+        }
+        let cpus = if self.cpus > 0 {
+            self.cpus
         } else {
             std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
-        }
+        };
+        default_threads(cpus)
     }
 }
 
@@ -140,16 +192,96 @@ struct Request {
     enqueued: Instant,
 }
 
+/// Recent arrivals of one class, for the adaptive fill rule.
+#[derive(Clone, Copy, Default)]
+struct Flow {
+    last: Option<Instant>,
+    /// Moving average (weight 1/8) of the gap between arrivals, in seconds; `None` until two
+    /// arrivals were seen. A long idle gap raises it by an eighth of the gap at once.
+    gap: Option<f64>,
+}
+
+impl Flow {
+    fn arrive(&mut self, now: Instant) {
+        if let Some(last) = self.last {
+            let d = now.saturating_duration_since(last).as_secs_f64();
+            self.gap = Some(match self.gap {
+                Some(g) => g + (d - g) / 8.0,
+                None => d,
+            });
+        }
+        self.last = Some(now);
+    }
+}
+
+/// A hold ends when no request arrived for this many average gaps (arrivals paused).
+const PAUSE_GAPS: u32 = 3;
+
+/// Whether a thread holds a batch of `class` open for more lanes, and until when.
+///
+/// The rule (evaluated with the queue lock held, `k` = requests of the class queued now, `B` =
+/// [`SignerConfig::fill_wait_for`], `g` = the moving average of the gap between arrivals of the
+/// class, which an idle spell raises at once by an eighth of its length): start holding only if
+/// no operator `max_wait` is set, `B > 0`, `k < 8`, and either `k >= 2` or the request arrived
+/// while this thread was computing its previous batch (the signer is busy); and at least
+/// two more arrivals are expected before the oldest request has waited `B`
+/// (`(B - waited) / g >= 2`). Keep holding while fewer than eight are queued, the oldest has
+/// waited less than `B`, the last arrival was less than `3g` ago, and no request of another class
+/// lacks an idle thread. So a request that arrives alone while no batch is being computed — a
+/// lone handshake, or requests one after another — starts at once, whatever `B` is.
+pub struct FillPolicy;
+
+impl FillPolicy {
+    /// The instant to stop waiting, or `None` to take the batch now.
+    fn hold_until(
+        k: usize,
+        bound: Duration,
+        oldest: Instant,
+        flow: &Flow,
+        now: Instant,
+        filling: bool,
+        busy: bool,
+    ) -> Option<Instant> {
+        if bound.is_zero() || k == 0 || k >= crate::mb::LANES {
+            return None;
+        }
+        // A request alone in its queue that arrived while the thread was idle starts at once.
+        if k < 2 && !busy && !filling {
+            return None;
+        }
+        let g = Duration::from_secs_f64(flow.gap?.max(1e-6));
+        let deadline = oldest + bound;
+        let last = flow.last?;
+        let pause = last + g * PAUSE_GAPS;
+        if now >= deadline || now >= pause {
+            return None;
+        }
+        if !filling && (deadline - now).as_secs_f64() / g.as_secs_f64() < 2.0 {
+            return None;
+        }
+        Some(deadline.min(pause))
+    }
+}
+
 struct Queues {
     by_class: [VecDeque<Request>; 5],
+    flow: [Flow; 5],
+    /// A thread is holding this class's batch open (adaptive fill); others leave it alone.
+    filling: [bool; 5],
     depth: usize,
+    /// Threads waiting on `ready` (a request wakes one only if some thread sleeps).
+    sleepers: usize,
     shutdown: bool,
 }
 
 struct Shared {
     cfg: SignerConfig,
     queues: Mutex<Queues>,
+    /// Idle threads wait here.
     ready: Condvar,
+    /// A thread holding a batch open waits here: woken when its class has eight requests, or
+    /// when a request of another class finds no idle thread.
+    full: Condvar,
     metrics: SignerMetrics,
     keys: KeyTable,
     batches: AtomicUsize,
@@ -159,6 +291,14 @@ struct Shared {
     inject_fault: std::sync::atomic::AtomicU8,
     /// Test hook: while set, threads take no batch (so queues fill deterministically).
     held: AtomicBool,
+}
+
+/// Which thread a new request wakes (see [`Signer::sign`]).
+enum Wake {
+    /// One idle thread.
+    Idle,
+    /// The thread(s) holding a batch open.
+    Filler,
 }
 
 /// Handle to the signer. Cheap to clone; the threads stop when the last handle is dropped.
@@ -175,6 +315,7 @@ impl Drop for StopOnDrop {
         let mut q = self.0.queues.lock().unwrap();
         q.shutdown = true;
         self.0.ready.notify_all();
+        self.0.full.notify_all();
     }
 }
 
@@ -184,8 +325,16 @@ impl Signer {
         let n = cfg.thread_count();
         let shared = Arc::new(Shared {
             cfg,
-            queues: Mutex::new(Queues { by_class: Default::default(), depth: 0, shutdown: false }),
+            queues: Mutex::new(Queues {
+                by_class: Default::default(),
+                flow: Default::default(),
+                filling: [false; 5],
+                depth: 0,
+                sleepers: 0,
+                shutdown: false,
+            }),
             ready: Condvar::new(),
+            full: Condvar::new(),
             metrics: SignerMetrics::default(),
             keys: KeyTable::default(),
             batches: AtomicUsize::new(0),
@@ -231,9 +380,18 @@ impl Signer {
             .into_iter()
             .map(|(c, n)| (c.as_str().to_string(), n.into()))
             .collect();
+        let fill: serde_json::Map<String, serde_json::Value> = KeyClass::ALL
+            .iter()
+            .filter(|c| **c != KeyClass::Other)
+            .map(|c| {
+                let us = self.shared.cfg.fill_wait_for(*c).as_micros() as u64;
+                (c.as_str().to_string(), us.into())
+            })
+            .collect();
         serde_json::json!({
             "config": self.shared.cfg,
             "threads": self.shared.cfg.thread_count(),
+            "fill_wait_us": fill,
             "queue_depth": depths,
             "live_keys": keys,
             "batches": self.batches(),
@@ -263,7 +421,7 @@ impl Signer {
             span: tracing::Span::current(),
             enqueued: Instant::now(),
         };
-        {
+        let wake = {
             let mut q = self.shared.queues.lock().unwrap();
             if q.shutdown {
                 return Err(SignError::ShutDown);
@@ -279,11 +437,33 @@ impl Signer {
                 tracing::warn!(depth, "signer queue full: refusing the handshake's signature");
                 return Err(SignError::QueueFull(depth));
             }
+            let now = req.enqueued;
             q.by_class[class.index()].push_back(req);
+            q.flow[class.index()].arrive(now);
             q.depth += 1;
             self.shared.metrics.queue_depth.set(q.depth as i64);
+            // Wake a thread only if one sleeps (a busy thread finds the request when it next
+            // looks). A thread filling this class is woken only once there are eight (it wakes
+            // by itself when arrivals pause); a filler of another class is woken when no idle
+            // thread is left to take this request.
+            // The wake-up itself happens after the lock is released, so that the woken thread
+            // does not wake only to block on the lock.
+            let c = class.index();
+            if q.filling[c] {
+                (q.by_class[c].len() >= crate::mb::LANES).then_some(Wake::Filler)
+            } else if q.sleepers > 0 {
+                Some(Wake::Idle)
+            } else if q.filling.iter().any(|f| *f) {
+                Some(Wake::Filler)
+            } else {
+                None
+            }
+        };
+        match wake {
+            Some(Wake::Idle) => self.shared.ready.notify_one(),
+            Some(Wake::Filler) => self.shared.full.notify_all(),
+            None => {}
         }
-        self.shared.ready.notify_one();
         rx.await.map_err(|_| SignError::WorkerPanicked)?
     }
 
@@ -311,6 +491,7 @@ impl Signer {
         self.shared.held.store(held, Ordering::SeqCst);
         let _q = self.shared.queues.lock().unwrap();
         self.shared.ready.notify_all();
+        self.shared.full.notify_all();
     }
 
     /// Requests waiting now.
@@ -341,35 +522,97 @@ fn spawn_worker(shared: Arc<Shared>, i: usize) {
         .expect("spawn signer thread");
 }
 
-/// Takes the next batch: from the class whose oldest request has waited longest, up to 8.
-fn next_batch(shared: &Shared) -> Option<(KeyClass, Vec<Request>)> {
+/// Takes the next batch: from the class whose oldest request has waited longest, up to 8 —
+/// possibly after holding it open for more lanes (`max_wait`, or the adaptive [`FillPolicy`]).
+///
+/// `computed_until`: when this thread's previous batch finished computing. A request that was
+/// already queued then arrived while the signer was busy.
+fn next_batch(
+    shared: &Shared,
+    computed_until: Option<Instant>,
+) -> Option<(KeyClass, Vec<Request>)> {
     let mut q = shared.queues.lock().unwrap();
+    // The class this thread is filling, if any.
+    let mut mine: Option<KeyClass> = None;
+    let mut hold_ended_by_others = false;
     loop {
         if q.shutdown {
+            if let Some(c) = mine {
+                q.filling[c.index()] = false;
+            }
             return None;
         }
+        let held = shared.held.load(Ordering::SeqCst);
         let oldest = KeyClass::ALL
             .iter()
+            .filter(|c| mine == Some(**c) || !q.filling[c.index()])
             .filter_map(|c| q.by_class[c.index()].front().map(|r| (r.enqueued, *c)))
             .min_by_key(|(t, _)| *t);
-        let Some((since, class)) = oldest.filter(|_| !shared.held.load(Ordering::SeqCst)) else {
+        let Some((since, class)) = oldest.filter(|_| !held) else {
+            q.sleepers += 1;
             q = shared.ready.wait(q).unwrap();
+            q.sleepers -= 1;
             continue;
         };
+        // Filling one class while another has an older request: serve that one first.
+        if let Some(c) = mine.filter(|c| *c != class) {
+            q.filling[c.index()] = false;
+            mine = None;
+        }
         let len = q.by_class[class.index()].len();
         let max_wait = shared.cfg.max_wait;
         if len < crate::mb::LANES && class != KeyClass::Other && !max_wait.is_zero() {
             let waited = since.elapsed();
             if waited < max_wait {
+                q.sleepers += 1;
                 q = shared.ready.wait_timeout(q, max_wait - waited).unwrap().0;
+                q.sleepers -= 1;
                 continue;
             }
+        }
+        if class != KeyClass::Other && max_wait.is_zero() {
+            let now = Instant::now();
+            let hold = FillPolicy::hold_until(
+                len,
+                shared.cfg.fill_wait_for(class),
+                since,
+                &q.flow[class.index()],
+                now,
+                mine == Some(class),
+                computed_until.is_some_and(|t| since < t),
+            );
+            // Another class has requests and no idle thread would take them: stop filling.
+            let others_starved = q.sleepers == 0
+                && KeyClass::ALL.iter().any(|c| {
+                    *c != class && !q.filling[c.index()] && !q.by_class[c.index()].is_empty()
+                });
+            hold_ended_by_others = hold.is_some() && others_starved;
+            if let Some(until) = hold.filter(|_| !others_starved) {
+                mine = Some(class);
+                q.filling[class.index()] = true;
+                q = shared.full.wait_timeout(q, until - now).unwrap().0;
+                continue;
+            }
+        }
+        if mine.take().is_some() {
+            q.filling[class.index()] = false;
+            let now = Instant::now();
+            let outcome = if len >= crate::mb::LANES {
+                "full"
+            } else if now >= since + shared.cfg.fill_wait_for(class) {
+                "bound"
+            } else if hold_ended_by_others {
+                "other"
+            } else {
+                "pause"
+            };
+            shared.metrics.fill_holds.get_or_create(&OutcomeLabels { outcome }).inc();
         }
         let take = if class == KeyClass::Other { 1 } else { len.min(crate::mb::LANES) };
         let batch: Vec<Request> = q.by_class[class.index()].drain(..take).collect();
         q.depth -= batch.len();
         shared.metrics.queue_depth.set(q.depth as i64);
-        if q.depth > 0 {
+        if q.depth > 0 && q.sleepers > 0 {
             shared.ready.notify_one();
         }
         return Some((class, batch));
@@ -377,7 +620,8 @@ fn next_batch(shared: &Shared) -> Option<(KeyClass, Vec<Request>)> {
 }
 
 fn worker_loop(shared: &Shared) {
-    while let Some((class, batch)) = next_batch(shared) {
+    let mut computed_until = None;
+    while let Some((class, batch)) = next_batch(shared, computed_until) {
         let alg = AlgLabels { algorithm: class.as_str() };
         for r in &batch {
             shared
@@ -405,6 +649,7 @@ fn worker_loop(shared: &Shared) {
         } else {
             sign_batch(&batch)
         };
+        computed_until = Some(Instant::now());
         let labels = OpLabels { algorithm: class.as_str(), backend: backend.as_str() };
         shared.metrics.batch_seconds.get_or_create(&labels).observe(start.elapsed().as_secs_f64());
         shared.metrics.ops.get_or_create(&labels).inc_by(batch.len() as u64);
@@ -521,5 +766,74 @@ impl AsyncPrivateKeyMethod for KeyMethod {
     ) -> Result<BoxPrivateKeyMethodFuture, AsyncPrivateKeyMethodError> {
         // TLS 1.3 never decrypts with the certificate key.
         Err(AsyncPrivateKeyMethodError)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// A flow whose arrivals came `gap` apart, the last at `last`.
+    fn flow(gap: Duration, last: Instant) -> Flow {
+        Flow { last: Some(last), gap: Some(gap.as_secs_f64()) }
+    }
+
+    #[test]
+    fn fill_holds_a_busy_batch_until_eight_a_pause_or_the_bound() {
+        let t = Instant::now();
+        let f = flow(MS, t);
+        // Two queued, arrivals 1 ms apart, bound 8 ms: hold until the pause (last + 3 gaps).
+        assert_eq!(FillPolicy::hold_until(2, 8 * MS, t, &f, t, false, false), Some(t + 3 * MS));
+        // The bound comes first when the oldest has already waited.
+        let old = t - 7 * MS;
+        assert_eq!(FillPolicy::hold_until(3, 8 * MS, old, &f, t, true, false), Some(t + MS));
+        // Eight lanes, an expired bound, a pause, or the rule off: take now.
+        assert_eq!(FillPolicy::hold_until(8, 8 * MS, t, &f, t, true, true), None);
+        assert_eq!(FillPolicy::hold_until(3, 8 * MS, t - 9 * MS, &f, t, true, true), None);
+        assert_eq!(FillPolicy::hold_until(3, 8 * MS, t, &f, t + 4 * MS, true, true), None);
+        assert_eq!(FillPolicy::hold_until(3, Duration::ZERO, t, &f, t, false, true), None);
+    }
+
+    #[test]
+    fn fill_never_holds_a_lone_request_on_an_idle_signer_thread() {
+        let t = Instant::now();
+        let f = flow(MS, t);
+        // Alone in its queue and the thread was idle: start at once, however busy the flow.
+        assert_eq!(FillPolicy::hold_until(1, Duration::from_secs(5), t, &f, t, false, false), None);
+        // Alone, but it arrived while the thread computed a batch: the signer is busy.
+        assert!(FillPolicy::hold_until(1, 8 * MS, t, &f, t, false, true).is_some());
+        // No arrival history yet: nothing to predict from.
+        let fresh = Flow { last: Some(t), gap: None };
+        assert_eq!(FillPolicy::hold_until(4, 8 * MS, t, &fresh, t, false, true), None);
+    }
+
+    #[test]
+    fn fill_does_not_hold_when_arrivals_are_slow_or_after_an_idle_spell() {
+        let t = Instant::now();
+        // Arrivals 5 ms apart: fewer than two more expected within an 8 ms bound.
+        assert_eq!(FillPolicy::hold_until(2, 8 * MS, t, &flow(5 * MS, t), t, false, true), None);
+        // A busy flow (1 ms gaps), then 100 ms of silence: the average jumps by 12.5 ms.
+        let mut f = Flow::default();
+        for i in 0..32 {
+            f.arrive(t + i * MS);
+        }
+        let after = t + 131 * MS;
+        f.arrive(after);
+        assert!(f.gap.unwrap() > 0.012, "{:?}", f.gap);
+        assert_eq!(FillPolicy::hold_until(2, 8 * MS, after, &f, after, false, true), None);
+    }
+
+    #[test]
+    fn fill_defaults_are_on_for_rsa_and_off_for_ecdsa_and_scalar() {
+        let ifma = SignerConfig { backend: Backend::Ifma, ..Default::default() };
+        assert_eq!(ifma.fill_wait_for(KeyClass::Rsa2048), 8 * MS);
+        assert_eq!(ifma.fill_wait_for(KeyClass::EcdsaP256), Duration::ZERO);
+        assert_eq!(ifma.fill_wait_for(KeyClass::Other), Duration::ZERO);
+        let off = SignerConfig { fill_wait: Some(Duration::ZERO), ..ifma.clone() };
+        assert_eq!(off.fill_wait_for(KeyClass::Rsa2048), Duration::ZERO);
+        let scalar = SignerConfig { backend: Backend::Scalar, ..ifma };
+        assert_eq!(scalar.fill_wait_for(KeyClass::Rsa2048), Duration::ZERO);
     }
 }
