@@ -288,21 +288,16 @@ impl Config {
         if let Some(v) = get(env::SIGNER_BACKEND) {
             self.signer_backend = v;
         }
+        let count = |name: &str, v: String, what: &str| {
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| ConfigError::Invalid(format!("{name}: '{v}' is not {what}")))
+        };
         if let Some(v) = get(env::SIGNER_THREADS) {
-            self.signer_threads = v.trim().parse().map_err(|_| {
-                ConfigError::Invalid(format!(
-                    "{}: '{v}' is not a thread count",
-                    env::SIGNER_THREADS
-                ))
-            })?;
+            self.signer_threads = count(env::SIGNER_THREADS, v, "a thread count")?;
         }
         if let Some(v) = get(env::CPU_LIMIT) {
-            self.cpu_limit = v.trim().parse().map_err(|_| {
-                ConfigError::Invalid(format!(
-                    "{}: '{v}' is not a whole number of CPUs",
-                    env::CPU_LIMIT
-                ))
-            })?;
+            self.cpu_limit = count(env::CPU_LIMIT, v, "a whole number of CPUs")?;
         }
         let flag = |name: &str, v: String| match v.trim() {
             "true" | "1" => Ok(true),
