@@ -70,11 +70,14 @@ pub fn level_param(query: Option<&str>) -> Option<String> {
 /// `GET /redirect/ebpf`, `POST /redirect/ebpf/attach?iface=..&role=pod|uplink`,
 /// `POST /redirect/ebpf/detach?iface=..`, `POST /redirect/ebpf/enrol?ip=..`,
 /// `POST /redirect/ebpf/unenrol?ip=..`.
+/// Changes (POST) need `token` in the `x-mbtunnel-token` header.
 pub fn ebpf_endpoint(
     ebpf: Option<&EbpfRedirect>,
     method: &http::Method,
     path: &str,
     query: Option<&str>,
+    presented: Option<&str>,
+    token: Option<&str>,
 ) -> Response<Body> {
     let Some(e) = ebpf else {
         return text(
@@ -88,6 +91,13 @@ pub fn ebpf_endpoint(
     }
     if method != http::Method::POST {
         return text(StatusCode::METHOD_NOT_ALLOWED, "use POST\n");
+    }
+    if token.is_none() || presented != token {
+        return text(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong token: send the contents of the proxy's ebpf_token_file (root only) \
+             in x-mbtunnel-token\n",
+        );
     }
     let missing = |what: &str| text(StatusCode::BAD_REQUEST, format!("missing {what}=...\n"));
     let result = match action {

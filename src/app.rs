@@ -142,6 +142,17 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     } else {
         None
     };
+    let ebpf_token = match &ebpf {
+        Some(_) => Some(Arc::new(
+            crate::redirect::ebpf::write_token(&cfg.ebpf_token_file).with_context(|| {
+                format!(
+                    "eBPF redirect: cannot write the admin token to {}",
+                    cfg.ebpf_token_file.display()
+                )
+            })?,
+        )),
+        None => None,
+    };
     let metrics_l = bind("metrics", cfg.metrics_addr, false)?;
     let ready_l = bind("readiness", cfg.readiness_addr, false)?;
     let admin_l = bind("admin", cfg.admin_addr, false)?;
@@ -286,6 +297,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let dump_signer = signer.clone();
     let dump_inpod = inpod.clone();
     let admin_ebpf = ebpf.clone();
+    let admin_token = ebpf_token.clone();
     tasks.push(tokio::spawn(admin::serve(admin_l, drain.clone(), move |req| {
         let cfg = dump_cfg.clone();
         let store = dump_store.clone();
@@ -293,6 +305,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         let signer = dump_signer.clone();
         let inpod = dump_inpod.clone();
         let ebpf = admin_ebpf.clone();
+        let token = admin_token.clone();
         let log = log.clone();
         async move {
             let path = req.uri().path();
@@ -300,8 +313,20 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
                 // Attaching runs netlink and bpf syscalls: off the async workers.
                 let (method, path, query) =
                     (req.method().clone(), path.to_string(), req.uri().query().map(String::from));
+                let presented = req
+                    .headers()
+                    .get(crate::redirect::ebpf::TOKEN_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(String::from);
                 return tokio::task::spawn_blocking(move || {
-                    admin::ebpf_endpoint(ebpf.as_deref(), &method, &path, query.as_deref())
+                    admin::ebpf_endpoint(
+                        ebpf.as_deref(),
+                        &method,
+                        &path,
+                        query.as_deref(),
+                        presented.as_deref(),
+                        token.as_deref().map(String::as_str),
+                    )
                 })
                 .await
                 .unwrap_or_else(|e| text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));

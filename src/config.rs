@@ -209,6 +209,9 @@ pub struct Config {
     pub ebpf_enabled: bool,
     /// eBPF mode: interfaces toward other nodes, attached (role uplink) at start-up.
     pub ebpf_uplinks: Vec<String>,
+    /// eBPF mode: where the proxy writes (mode 0600) the token that changing the redirect
+    /// through the admin API requires; `mbtunnel redirect ebpf` reads it.
+    pub ebpf_token_file: PathBuf,
     pub nodes: Vec<Node>,
     pub workloads: Vec<Workload>,
     pub services: Vec<Service>,
@@ -246,6 +249,7 @@ impl Default for Config {
             inpod_socket: PathBuf::from("/var/run/ztunnel/ztunnel.sock"),
             ebpf_enabled: false,
             ebpf_uplinks: Vec::new(),
+            ebpf_token_file: PathBuf::from(crate::redirect::ebpf::DEFAULT_TOKEN_FILE),
             nodes: Vec::new(),
             workloads: Vec::new(),
             services: Vec::new(),

@@ -155,6 +155,16 @@ struct AdminArg {
     /// The proxy's admin address.
     #[arg(long, default_value = "127.0.0.1:15000")]
     admin: std::net::SocketAddr,
+    /// The proxy's admin token (its `ebpf_token_file`, written at start, readable by root only);
+    /// changes need it.
+    #[arg(long, default_value = mbtunnel::redirect::ebpf::DEFAULT_TOKEN_FILE)]
+    token_file: PathBuf,
+}
+
+impl AdminArg {
+    fn admin(self) -> mbtunnel::redirect::control::Admin {
+        mbtunnel::redirect::control::Admin { addr: self.admin, token_file: self.token_file }
+    }
 }
 
 #[derive(Subcommand)]
@@ -217,41 +227,38 @@ fn rules(backend: Backend, action: RedirectAction, netns: &std::path::Path) -> a
 fn ebpf_cmd(cmd: EbpfCmd) -> anyhow::Result<()> {
     use mbtunnel::redirect::control;
     let mut out = String::new();
+    let add = matches!(cmd, EbpfCmd::Enrol { .. });
     match cmd {
         EbpfCmd::Attach { pod_netns: Some(ns), admin, .. } => {
-            let pod = control::pod_link(&ns)?;
-            out += &control::attach(admin.admin, &pod.host_iface, "pod")?;
+            let (admin, pod) = (admin.admin(), control::pod_link(&ns)?);
+            out += &admin.attach(&pod.host_iface, "pod")?;
             for ip in pod.ips {
-                out += &control::enrol(admin.admin, ip, true)?;
+                out += &admin.enrol(ip, true)?;
             }
         }
         EbpfCmd::Attach { iface: Some(i), role, admin, .. } => {
             let role =
                 if role == mbtunnel::redirect::ebpf::Role::Uplink { "uplink" } else { "pod" };
-            out += &control::attach(admin.admin, &i, role)?;
+            out += &admin.admin().attach(&i, role)?;
         }
         EbpfCmd::Detach { pod_netns: Some(ns), admin, .. } => {
-            let pod = control::pod_link(&ns)?;
+            let (admin, pod) = (admin.admin(), control::pod_link(&ns)?);
             for ip in pod.ips {
-                out += &control::enrol(admin.admin, ip, false)?;
+                out += &admin.enrol(ip, false)?;
             }
-            out += &control::detach(admin.admin, &pod.host_iface)?;
+            out += &admin.detach(&pod.host_iface)?;
         }
-        EbpfCmd::Detach { iface: Some(i), admin, .. } => out += &control::detach(admin.admin, &i)?,
+        EbpfCmd::Detach { iface: Some(i), admin, .. } => out += &admin.admin().detach(&i)?,
         EbpfCmd::Attach { .. } | EbpfCmd::Detach { .. } => {
             anyhow::bail!("give --pod-netns or --iface")
         }
-        EbpfCmd::Enrol { ip, admin } => {
+        EbpfCmd::Enrol { ip, admin } | EbpfCmd::Unenrol { ip, admin } => {
+            let admin = admin.admin();
             for a in ip {
-                out += &control::enrol(admin.admin, a, true)?;
+                out += &admin.enrol(a, add)?;
             }
         }
-        EbpfCmd::Unenrol { ip, admin } => {
-            for a in ip {
-                out += &control::enrol(admin.admin, a, false)?;
-            }
-        }
-        EbpfCmd::Status { admin } => out += &control::status(admin.admin)?,
+        EbpfCmd::Status { admin } => out += &admin.admin().status()?,
     }
     print!("{out}");
     Ok(())

@@ -48,6 +48,7 @@ fn node_cfg(node: u8, ca: &Path, mode: &str, cni: Option<&Path>) -> Config {
     if mode == "ebpf" {
         y += "ebpf_enabled: true\nebpf_uplinks: [eth0]\noutbound_addr: \"[::]:15001\"\n\
               inbound_addr: \"[::]:15008\"\ninbound_plaintext_addr: \"[::]:15006\"\n";
+        y += &format!("ebpf_token_file: {}\n", token_file(ca, node).display());
     } else {
         y += &format!(
             "inpod_enabled: true\ninpod_socket: {}\noutbound_addr: 127.0.0.1:0\n\
@@ -63,6 +64,11 @@ fn node_cfg(node: u8, ca: &Path, mode: &str, cni: Option<&Path>) -> Config {
         );
     }
     Config::from_yaml(&y, Path::new("ebpf-test.yaml")).expect("mesh yaml")
+}
+
+/// Node `node`'s admin token file (beside the shared CA directory).
+fn token_file(ca: &Path, node: u8) -> PathBuf {
+    ca.with_file_name(format!("node-{node}.token"))
 }
 
 /// Runs the mbtunnel binary inside namespace `ns` (as a CNI plugin would on the node).
@@ -101,10 +107,14 @@ impl Cluster {
     }
     /// `mbtunnel redirect ebpf <args> --admin <node's admin>` in node `node`'s namespace.
     fn ctl(&self, node: u8, args: &[&str]) -> Result<String, String> {
+        let token = token_file(&self.dir.join("ca"), node);
+        self.ctl_with_token(node, args, &token)
+    }
+    fn ctl_with_token(&self, node: u8, args: &[&str], token: &Path) -> Result<String, String> {
         let admin = Self::admin(if node == 1 { self.n1() } else { self.n2() });
         let mut v = vec!["redirect", "ebpf"];
         v.extend_from_slice(args);
-        v.extend_from_slice(&["--admin", &admin]);
+        v.extend_from_slice(&["--admin", &admin, "--token-file", token.to_str().unwrap()]);
         mbtunnel_in(&self.sim.node_ns(node), &v)
     }
 }
@@ -346,6 +356,14 @@ fn enrol_and_remove_while_traffic_flows_then_detach_leaves_nothing() {
     let mut a = connect_from(&c.client, dst).expect("connection A");
     ping(&mut a, b"first through the proxy");
     wait("A counted", || opened(c.n1(), "source") >= 1.0);
+
+    // Changes need the proxy's token (root-only file): a wrong one is refused.
+    let fake = c.dir.join("fake.token");
+    std::fs::write(&fake, "0123").unwrap();
+    let e = c.ctl_with_token(1, &["unenrol", "--ip", &c.client.v4.to_string()], &fake).unwrap_err();
+    assert!(e.contains("wrong token"), "{e}");
+    let mode = std::fs::metadata(token_file(&c.dir.join("ca"), 1)).unwrap();
+    assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode.permissions()) & 0o777, 0o600);
 
     // Removed from the map: the next connection goes straight to the server, A goes on.
     let out = c.ctl(1, &["unenrol", "--ip", &c.client.v4.to_string()]).expect("unenrol");

@@ -15,50 +15,71 @@ use anyhow::{anyhow, bail, Context};
 
 use crate::inpod::netns::{self, Netns};
 
-/// One request to the proxy's admin API; returns the body, or an error with it.
-pub fn admin_call(admin: SocketAddr, method: &str, path_and_query: &str) -> anyhow::Result<String> {
-    let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(5)).with_context(|| {
-        format!("cannot reach the proxy's admin API at {admin} (is mbtunnel running with ebpf_enabled, and is --admin right?)")
-    })?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))?;
-    write!(
-        s,
-        "{method} {path_and_query} HTTP/1.1\r\nHost: {admin}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).context("reading the admin API's answer")?;
-    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| anyhow!("malformed answer from {admin}: {head}"))?;
-    if status != 200 {
-        bail!("{}", body.trim());
+/// The running proxy's admin API, and the token its changes need.
+pub struct Admin {
+    pub addr: SocketAddr,
+    /// The proxy's `ebpf_token_file`, read for changes (not for `status`).
+    pub token_file: std::path::PathBuf,
+}
+
+impl Admin {
+    /// One request; returns the body, or an error with it.
+    fn call(&self, method: &str, path_and_query: &str) -> anyhow::Result<String> {
+        let admin = self.addr;
+        let token = if method == "GET" {
+            String::new()
+        } else {
+            let t = std::fs::read_to_string(&self.token_file).with_context(|| {
+                format!(
+                    "cannot read the proxy's admin token at {} (root only; --token-file names another)",
+                    self.token_file.display()
+                )
+            })?;
+            format!("{}: {}\r\n", super::ebpf::TOKEN_HEADER, t.trim())
+        };
+        let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(5)).with_context(|| {
+            format!("cannot reach the proxy's admin API at {admin} (is mbtunnel running with ebpf_enabled, and is --admin right?)")
+        })?;
+        s.set_read_timeout(Some(Duration::from_secs(30)))?;
+        write!(
+            s,
+            "{method} {path_and_query} HTTP/1.1\r\nHost: {admin}\r\n{token}Content-Length: 0\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).context("reading the admin API's answer")?;
+        let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+        let status: u16 = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| anyhow!("malformed answer from {admin}: {head}"))?;
+        if status != 200 {
+            bail!("{}", body.trim());
+        }
+        Ok(body.to_string())
     }
-    Ok(body.to_string())
+
+    pub fn attach(&self, iface: &str, role: &str) -> anyhow::Result<String> {
+        self.call("POST", &format!("/redirect/ebpf/attach?iface={}&role={role}", esc(iface)))
+    }
+
+    pub fn detach(&self, iface: &str) -> anyhow::Result<String> {
+        self.call("POST", &format!("/redirect/ebpf/detach?iface={}", esc(iface)))
+    }
+
+    pub fn enrol(&self, ip: IpAddr, add: bool) -> anyhow::Result<String> {
+        let verb = if add { "enrol" } else { "unenrol" };
+        self.call("POST", &format!("/redirect/ebpf/{verb}?ip={}", esc(&ip.to_string())))
+    }
+
+    pub fn status(&self) -> anyhow::Result<String> {
+        self.call("GET", "/redirect/ebpf")
+    }
 }
 
 /// Query-string escaping for the values we send (interface names, addresses).
 fn esc(v: &str) -> String {
     v.replace(':', "%3A")
-}
-
-pub fn attach(admin: SocketAddr, iface: &str, role: &str) -> anyhow::Result<String> {
-    admin_call(admin, "POST", &format!("/redirect/ebpf/attach?iface={}&role={role}", esc(iface)))
-}
-
-pub fn detach(admin: SocketAddr, iface: &str) -> anyhow::Result<String> {
-    admin_call(admin, "POST", &format!("/redirect/ebpf/detach?iface={}", esc(iface)))
-}
-
-pub fn enrol(admin: SocketAddr, ip: IpAddr, add: bool) -> anyhow::Result<String> {
-    let verb = if add { "enrol" } else { "unenrol" };
-    admin_call(admin, "POST", &format!("/redirect/ebpf/{verb}?ip={}", esc(&ip.to_string())))
-}
-
-pub fn status(admin: SocketAddr) -> anyhow::Result<String> {
-    admin_call(admin, "GET", "/redirect/ebpf")
 }
 
 /// A pod as seen from its namespace: the host-side name of its veth (in this process's

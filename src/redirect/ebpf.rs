@@ -38,6 +38,29 @@ use crate::inpod::netns::{self, Netns};
 /// The compiled classifiers (build.rs runs clang on `mbtunnel.bpf.c`).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mbtunnel.bpf.o"));
 
+/// Where the admin token lives by default (root-only file; see [`write_token`]).
+pub const DEFAULT_TOKEN_FILE: &str = "/var/run/mbtunnel/ebpf-admin.token";
+/// The header carrying it.
+pub const TOKEN_HEADER: &str = "x-mbtunnel-token";
+
+/// Writes a fresh random token to `path` (mode 0600, parent created) and returns it. Changing
+/// the redirect through the admin API needs it: any process of the node's network namespace can
+/// reach 127.0.0.1:15000, but only root can read the file.
+pub fn write_token(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut b = [0u8; 32];
+    boring::rand::rand_bytes(&mut b).map_err(std::io::Error::other)?;
+    let token: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(path)?;
+    f.write_all(token.as_bytes())?;
+    Ok(token)
+}
+
 /// The mark the classifiers set on packets to deliver locally, and its policy route.
 pub const MARK: u32 = 0x4000;
 pub const ROUTE_TABLE: u32 = 134;
