@@ -231,14 +231,12 @@ fn ebpf_cmd(cmd: EbpfCmd) -> anyhow::Result<()> {
     match cmd {
         EbpfCmd::Attach { pod_netns: Some(ns), admin, .. } => {
             let (admin, pod) = (admin.admin(), control::pod_link(&ns)?);
-            out += &admin.attach(&pod.host_iface, "pod")?;
+            out += &admin.attach(&pod.host_iface, mbtunnel::redirect::ebpf::Role::Pod)?;
             for ip in pod.ips {
                 out += &admin.enrol(ip, true)?;
             }
         }
         EbpfCmd::Attach { iface: Some(i), role, admin, .. } => {
-            let role =
-                if role == mbtunnel::redirect::ebpf::Role::Uplink { "uplink" } else { "pod" };
             out += &admin.admin().attach(&i, role)?;
         }
         EbpfCmd::Detach { pod_netns: Some(ns), admin, .. } => {

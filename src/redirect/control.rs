@@ -59,7 +59,8 @@ impl Admin {
         Ok(body.to_string())
     }
 
-    pub fn attach(&self, iface: &str, role: &str) -> anyhow::Result<String> {
+    pub fn attach(&self, iface: &str, role: super::ebpf::Role) -> anyhow::Result<String> {
+        let role = role.name();
         self.call("POST", &format!("/redirect/ebpf/attach?iface={}&role={role}", esc(iface)))
     }
 

@@ -107,14 +107,23 @@ impl Role {
     }
 }
 
+impl Role {
+    /// The name on the command line and in the admin API.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Pod => "pod",
+            Role::Uplink => "uplink",
+        }
+    }
+}
+
 impl std::str::FromStr for Role {
     type Err = String;
     fn from_str(s: &str) -> Result<Role, String> {
-        match s {
-            "pod" => Ok(Role::Pod),
-            "uplink" => Ok(Role::Uplink),
-            _ => Err(format!("unknown role '{s}' (pod or uplink)")),
-        }
+        [Role::Pod, Role::Uplink]
+            .into_iter()
+            .find(|r| r.name() == s)
+            .ok_or_else(|| format!("unknown role '{s}' (pod or uplink)"))
     }
 }
 
