@@ -1,11 +1,34 @@
 //! Compiles the eBPF redirect program (src/redirect/mbtunnel.bpf.c) with clang for the BPF
 //! target; the object is embedded in the binary (src/redirect/ebpf.rs). No prebuilt object is
 //! committed. scripts/deps.sh installs clang and the kernel UAPI headers (linux-libc-dev).
+//! Also generates the control-plane protocol code from proto/ (see `protos`).
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
+    protos();
+    ebpf();
+}
+
+/// Istio's xDS, workload, authorization and CA protos (proto/) → prost messages and tonic
+/// client/server stubs. Needs `protoc` and the well-known types (scripts/deps.sh installs
+/// protobuf-compiler and libprotobuf-dev).
+fn protos() {
+    let files =
+        ["proto/xds.proto", "proto/workload.proto", "proto/authorization.proto", "proto/ca.proto"];
+    for f in files {
+        println!("cargo:rerun-if-changed={f}");
+    }
+    if let Err(e) = tonic_prost_build::configure().compile_protos(&files, &["proto"]) {
+        panic!(
+            "cannot compile {files:?}: {e}. Install protoc and the protobuf well-known types \
+             (scripts/deps.sh installs protobuf-compiler and libprotobuf-dev), or set PROTOC"
+        );
+    }
+}
+
+fn ebpf() {
     let src = "src/redirect/mbtunnel.bpf.c";
     println!("cargo:rerun-if-changed={src}");
     println!("cargo:rerun-if-env-changed=CLANG");

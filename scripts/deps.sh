@@ -2,7 +2,7 @@
 # Installs the system packages mbtunnel needs to build and test. Idempotent: installs only what is
 # missing. The Dockerfile's build stage reads the same list (PACKAGES below) — one source of truth.
 set -euo pipefail
-PACKAGES="cmake clang libclang-dev linux-libc-dev pkg-config iproute2 iptables nftables curl"
+PACKAGES="cmake clang libclang-dev linux-libc-dev pkg-config iproute2 iptables nftables curl protobuf-compiler libprotobuf-dev"
 if [ "${1:-}" = "--list" ]; then echo "$PACKAGES"; exit 0; fi
 missing=()
 for p in $PACKAGES; do

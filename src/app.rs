@@ -13,16 +13,20 @@ use serde_json::json;
 
 use crate::admin::{self, text, LogControl};
 use crate::config::Config;
+use crate::grpc::{Endpoints, TokenSource};
 use crate::hbone::Pool;
 use crate::identity::ca::DevCa;
+use crate::identity::istio::IstioCa;
+use crate::identity::source::{CertSource, DevCaSource};
 use crate::identity::store::{humantime, CertStore};
 use crate::inpod::InPod;
 use crate::metrics::Metrics;
 use crate::proxy::{self, socket, Ctx, Drain};
 use crate::redirect::ebpf::{EbpfRedirect, Listeners, RedirectMetrics, Role};
 use crate::signer::{Signer, SignerConfig};
-use crate::state::State;
+use crate::state::{local_resources, replace_delta, State};
 use crate::tls::TlsProvider;
+use crate::xds::{NodeInfo, XdsMetrics};
 
 /// Addresses actually bound (ports may be 0 in the config).
 #[derive(Clone, Copy, Debug)]
@@ -45,8 +49,13 @@ pub struct Running {
     pub inpod: Option<Arc<InPod>>,
     /// eBPF redirect mode: the loaded classifiers (detached when the last reference drops).
     pub ebpf: Option<Arc<EbpfRedirect>>,
+    /// The xDS client, when a control plane is configured.
+    pub xds: Option<Arc<crate::xds::Client>>,
     registry: Arc<Registry>,
-    ready: Arc<AtomicBool>,
+    /// Certificates held for every local workload (at least once).
+    certs_ready: tokio::sync::watch::Receiver<bool>,
+    /// One xDS response of each type applied (true without a control plane).
+    xds_ready: tokio::sync::watch::Receiver<bool>,
     /// False in in-pod mode until the CNI's first snapshot is applied; true otherwise.
     zds_ready: Arc<AtomicBool>,
     drain_timeout: Duration,
@@ -68,17 +77,45 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         .map_err(|e| anyhow::anyhow!("signer_backend: {e}"))?;
     tracing::info!(backend = %backend.backend, cpu_features = %backend.features, reason = %backend.reason,
         "signer backend chosen");
-    let state = Arc::new(State::new(&cfg));
-    let ca_dir = cfg.ca_dir.clone();
-    let td = cfg.trust_domain.clone();
-    let ca = tokio::task::spawn_blocking(move || DevCa::load_or_create(&ca_dir, &td))
-        .await?
-        .context("development CA")?;
-    let store = Arc::new(CertStore::new(
-        ca,
-        cfg.key_algorithm,
-        Duration::from_secs(cfg.cert_lifetime_secs),
-    ));
+    let state = Arc::new(State::new(cfg.store_config()));
+    if cfg.xds_address.is_none() {
+        state.apply(replace_delta(
+            &state,
+            local_resources(&cfg.workloads, &cfg.services, &cfg.policies),
+        ));
+    }
+    let source: Arc<dyn CertSource> = match cfg.effective_ca_address() {
+        Some(addr) => {
+            let roots = crate::grpc::load_roots(&cfg.ca_root_ca)
+                .map_err(|e| anyhow::anyhow!("CA_ROOT_CA: {e}"))?;
+            let ep = Endpoints {
+                address: addr.to_string(),
+                roots_pem: roots,
+                token: token_source(&cfg),
+                cluster_id: cfg.cluster_id.clone(),
+                headers: cfg.ca_headers.clone(),
+            };
+            Arc::new(
+                IstioCa::new(ep, cfg.key_algorithm, Duration::from_secs(cfg.cert_lifetime_secs))
+                    .map_err(|e| anyhow::anyhow!("CA_ADDRESS: {e}"))?,
+            )
+        }
+        None => {
+            let ca_dir = cfg.ca_dir.clone();
+            let td = cfg.trust_domain.clone();
+            let ca = tokio::task::spawn_blocking(move || DevCa::load_or_create(&ca_dir, &td))
+                .await?
+                .context("development CA")?;
+            Arc::new(DevCaSource::new(
+                ca,
+                cfg.key_algorithm,
+                Duration::from_secs(cfg.cert_lifetime_secs),
+            ))
+        }
+    };
+    tracing::info!(source = %source.describe(), holds_ca_key = source.holds_ca_key(),
+        "workload certificates come from here");
+    let store = Arc::new(CertStore::with_source(source));
     let mut registry = Registry::default();
     let metrics = Arc::new(Metrics::new(&mut registry));
     let redirect_mode = match (cfg.ebpf_enabled, cfg.inpod_enabled) {
@@ -87,6 +124,29 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         _ => "external",
     };
     let redirect_metrics = RedirectMetrics::register(&mut registry, redirect_mode);
+    let xds = match &cfg.xds_address {
+        Some(addr) => {
+            let roots = crate::grpc::load_roots(&cfg.xds_root_ca)
+                .map_err(|e| anyhow::anyhow!("XDS_ROOT_CA: {e}"))?;
+            let ep = Endpoints {
+                address: addr.clone(),
+                roots_pem: roots,
+                token: token_source(&cfg),
+                cluster_id: cfg.cluster_id.clone(),
+                headers: cfg.xds_headers.clone(),
+            };
+            let node = NodeInfo {
+                pod_name: cfg.pod_name.clone(),
+                pod_namespace: cfg.pod_namespace.clone(),
+                instance_ip: cfg.instance_ip.map(|i| i.to_string()).unwrap_or_default(),
+                node_name: cfg.node_name.clone(),
+                cluster_id: cfg.cluster_id.clone(),
+            };
+            let m = XdsMetrics::register(&mut registry);
+            Some(Arc::new(crate::xds::Client::new(ep, node, state.clone(), m)))
+        }
+        None => None,
+    };
     // The eBPF redirect hands connections to the listeners without NAT: they must accept
     // non-local destinations and answer from them.
     let transparent = cfg.transparent || cfg.ebpf_enabled;
@@ -190,12 +250,11 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let inpod_metrics =
         cfg.inpod_enabled.then(|| crate::inpod::InPodMetrics::register(&mut registry));
     let registry = Arc::new(registry);
-    let ready = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
 
     let c = ctx.clone();
     tasks.push(tokio::spawn(proxy::accept_loop("outbound", out_l, drain.clone(), move |s, p| {
-        proxy::outbound::handle(c.clone(), s, p, None)
+        proxy::outbound::handle(c.clone(), s, p, None, None)
     })));
     let c = ctx.clone();
     tasks.push(tokio::spawn(proxy::accept_loop("inbound", in_l, drain.clone(), move |s, p| {
@@ -209,33 +268,32 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         move |s, p| proxy::inbound::handle_plaintext(c.clone(), s, p, None),
     )));
 
-    // Certificates for every local workload, then readiness.
+    // Certificates for the local workloads as they come and go; ready once all are held.
+    let (certs_ready_tx, certs_ready) = tokio::sync::watch::channel(false);
     {
-        let store = store.clone();
-        let ids: Vec<_> = state.local_workloads().map(|w| state.identity_of(w)).collect();
-        let ready = ready.clone();
-        tasks.push(tokio::spawn(async move {
-            let r = tokio::task::spawn_blocking(move || {
-                for id in &ids {
-                    store.fetch(id)?;
-                }
-                Ok::<_, crate::identity::ca::CaError>(ids.len())
-            })
-            .await;
-            match r {
-                Ok(Ok(n)) => {
-                    ready.store(true, Ordering::Release);
-                    tracing::info!(certificates = n, "ready");
-                }
-                Ok(Err(e)) => {
-                    tracing::error!(error = %e, "cannot issue workload certificates: not ready")
-                }
-                Err(e) => tracing::error!(error = %e, "certificate task failed: not ready"),
-            }
-        }));
+        let tls = ctx.tls.clone();
+        tasks.push(tokio::spawn(crate::identity::manager::run(
+            state.clone(),
+            store.clone(),
+            certs_ready_tx,
+            Arc::new(move |id| tls.forget(id)),
+        )));
     }
     tasks.push(tokio::spawn(store.clone().run_renewal()));
-
+    let xds_ready = match &xds {
+        Some(x) => {
+            tracing::info!(address = %cfg.xds_address.as_deref().unwrap_or_default(),
+                "mesh state from the control plane over delta xDS; not ready until both types arrive");
+            tasks.push(tokio::spawn(x.clone().run()));
+            x.ready()
+        }
+        None => {
+            if let (Some(path), true) = (&cfg.config_file, cfg.watch_file) {
+                tasks.push(tokio::spawn(watch_file(path.clone(), state.clone())));
+            }
+            tokio::sync::watch::channel(true).1
+        }
+    };
     let zds_ready = Arc::new(AtomicBool::new(!cfg.inpod_enabled));
     let inpod = inpod_metrics.map(|m| Arc::new(InPod::new(ctx.clone(), store.clone(), m)));
     if let Some(pods) = &inpod {
@@ -278,11 +336,11 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
             }
         }
     })));
-    let rd = ready.clone();
+    let (cr, xr) = (certs_ready.clone(), xds_ready.clone());
     let zr = zds_ready.clone();
     let dr = drain.clone();
     tasks.push(tokio::spawn(admin::serve(ready_l, drain.clone(), move |req| {
-        let ready = rd.load(Ordering::Acquire) && zr.load(Ordering::Acquire) && !dr.is_draining();
+        let ready = *cr.borrow() && *xr.borrow() && zr.load(Ordering::Acquire) && !dr.is_draining();
         async move {
             match req.uri().path() {
                 "/healthz/ready" if ready => text(StatusCode::OK, "ready\n"),
@@ -296,6 +354,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let dump_ctx = ctx.clone();
     let dump_signer = signer.clone();
     let dump_inpod = inpod.clone();
+    let dump_xds = xds.clone();
     let admin_ebpf = ebpf.clone();
     let admin_token = ebpf_token.clone();
     tasks.push(tokio::spawn(admin::serve(admin_l, drain.clone(), move |req| {
@@ -304,6 +363,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         let ctx = dump_ctx.clone();
         let signer = dump_signer.clone();
         let inpod = dump_inpod.clone();
+        let xds = dump_xds.clone();
         let ebpf = admin_ebpf.clone();
         let token = admin_token.clone();
         let log = log.clone();
@@ -339,6 +399,9 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
                     }
                     if let Some(e) = &ebpf {
                         v["redirect"] = e.status();
+                    }
+                    if let Some(x) = &xds {
+                        v["xds"] = json!(x.status());
                     }
                     let mut r =
                         text(StatusCode::OK, serde_json::to_string_pretty(&v).unwrap_or_default());
@@ -383,8 +446,10 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         store,
         inpod,
         ebpf,
+        xds,
         registry,
-        ready,
+        certs_ready,
+        xds_ready,
         zds_ready,
         drain_timeout: Duration::from_secs(cfg.drain_timeout_secs),
         tasks,
@@ -403,15 +468,31 @@ fn config_dump(cfg: &Config, store: &CertStore, ctx: &Ctx, signer: &Signer) -> s
                 "algorithm": c.algorithm,
                 "not_before": humantime(c.not_before),
                 "not_after": humantime(c.not_after),
+                "issued_at": humantime(c.issued_at),
                 "renew_at": humantime(c.refresh_at()),
+                "intermediates": c.chain_der.len(),
             })
         })
         .collect();
+    let roots: Vec<String> = store
+        .snapshot()
+        .first()
+        .map(|b| {
+            b.roots_der
+                .iter()
+                .filter_map(|d| boring::x509::X509::from_der(d).ok()?.to_pem().ok())
+                .filter_map(|p| String::from_utf8(p).ok())
+                .collect()
+        })
+        .unwrap_or_default();
     json!({
         "config": cfg,
-        "local_workloads": ctx.state.local_workloads().map(|w| w.uid.clone()).collect::<Vec<_>>(),
+        "local_workloads": ctx.state.local_workloads().iter().map(|w| w.uid.clone()).collect::<Vec<_>>(),
+        "state": ctx.state.dump(),
+        "certificate_source": store.source().describe(),
+        "holds_ca_key": store.source().holds_ca_key(),
         "certificates": certs,
-        "root_certificate": store.root_pem(),
+        "root_certificates": roots,
         "signer": {
             "backend": b.backend.to_string(),
             "cpu_features": b.features.to_string(),
@@ -424,9 +505,52 @@ fn config_dump(cfg: &Config, store: &CertStore, ctx: &Ctx, signer: &Signer) -> s
     })
 }
 
+fn token_source(cfg: &Config) -> TokenSource {
+    match &cfg.auth_token {
+        Some(t) => TokenSource::Static(t.clone()),
+        None => TokenSource::File(cfg.auth_token_file.clone()),
+    }
+}
+
+/// Local mode: re-reads the config file when it changes and applies its workloads, services and
+/// policies. An invalid file is reported and the state held stays.
+async fn watch_file(path: std::path::PathBuf, state: Arc<State>) {
+    let stamp =
+        |p: &std::path::Path| std::fs::metadata(p).ok().map(|m| (m.modified().ok(), m.len()));
+    let mut last = stamp(&path);
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = stamp(&path);
+        if now == last {
+            continue;
+        }
+        last = now;
+        let p = path.clone();
+        let parsed = tokio::task::spawn_blocking(move || Config::from_file(&p)).await;
+        match parsed {
+            Ok(Ok(c)) => {
+                let before = state.counts();
+                state.apply(replace_delta(
+                    &state,
+                    local_resources(&c.workloads, &c.services, &c.policies),
+                ));
+                let after = state.counts();
+                tracing::info!(file = %path.display(), workloads = after.workloads, services = after.services,
+                    policies = after.policies, was = ?before,
+                    "config file changed: mesh state reloaded (other settings apply at restart)");
+            }
+            Ok(Err(e)) => tracing::error!(error = %e,
+                "config file changed but is invalid: keeping the mesh state held"),
+            Err(e) => tracing::error!(error = %e, "config reload task failed"),
+        }
+    }
+}
+
 impl Running {
     pub fn is_ready(&self) -> bool {
-        self.ready.load(Ordering::Acquire) && self.zds_ready.load(Ordering::Acquire)
+        *self.certs_ready.borrow()
+            && *self.xds_ready.borrow()
+            && self.zds_ready.load(Ordering::Acquire)
     }
 
     /// Waits until ready (or `timeout`).

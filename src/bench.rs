@@ -170,8 +170,8 @@ async fn start_pair(
 ) -> anyhow::Result<Running> {
     let server = side(dir, key, mode, opts.signer_threads, opts.fill_wait)?;
     let client = side(dir, key, mode, opts.signer_threads, opts.fill_wait)?;
-    server.tls.store().fetch(server_id)?;
-    client.tls.store().fetch(client_id)?;
+    server.tls.store().fetch(server_id).await?;
+    client.tls.store().fetch(client_id).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let stls = server.tls.clone();

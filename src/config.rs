@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::identity::Identity;
+use crate::state::StoreConfig;
 
 /// Environment variable names, in one place.
 pub mod env {
@@ -30,6 +31,23 @@ pub mod env {
     pub const EBPF_ENABLED: &str = "MBTUNNEL_EBPF_ENABLED";
     /// Comma-separated interface names.
     pub const EBPF_UPLINKS: &str = "MBTUNNEL_EBPF_UPLINKS";
+    // The control plane, with ztunnel's names.
+    pub const XDS_ADDRESS: &str = "XDS_ADDRESS";
+    pub const CA_ADDRESS: &str = "CA_ADDRESS";
+    pub const XDS_ROOT_CA: &str = "XDS_ROOT_CA";
+    pub const CA_ROOT_CA: &str = "CA_ROOT_CA";
+    /// The bearer token itself (otherwise it is read from the token file at every call).
+    pub const AUTH_TOKEN: &str = "AUTH_TOKEN";
+    pub const AUTH_TOKEN_FILE: &str = "MBTUNNEL_AUTH_TOKEN_FILE";
+    pub const CLUSTER_ID: &str = "CLUSTER_ID";
+    /// Certificate lifetime requested from the CA, e.g. `24h`, `90m`, `3600s`.
+    pub const SECRET_TTL: &str = "SECRET_TTL";
+    pub const POD_NAME: &str = "POD_NAME";
+    pub const POD_NAMESPACE: &str = "POD_NAMESPACE";
+    pub const INSTANCE_IP: &str = "INSTANCE_IP";
+    /// Prefixes: `XDS_HEADER_<k>=v` / `CA_HEADER_<k>=v` add metadata `k: v` to those calls.
+    pub const XDS_HEADER_PREFIX: &str = "XDS_HEADER_";
+    pub const CA_HEADER_PREFIX: &str = "CA_HEADER_";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,71 +97,8 @@ pub enum LogFormat {
     Json,
 }
 
-/// How a workload is reached.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
-pub enum Protocol {
-    /// Through the destination node's proxy over HBONE (mTLS).
-    #[default]
-    #[serde(rename = "HBONE")]
-    Hbone,
-    /// Plain TCP (not in the mesh).
-    #[serde(rename = "TCP")]
-    Tcp,
-}
-
-/// A workload (pod) of the mesh.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Workload {
-    pub uid: String,
-    pub name: String,
-    #[serde(default = "default_namespace")]
-    pub namespace: String,
-    #[serde(default = "default_sa")]
-    pub service_account: String,
-    pub ips: Vec<IpAddr>,
-    pub node: String,
-    #[serde(default)]
-    pub protocol: Protocol,
-}
-
-fn default_namespace() -> String {
-    "default".into()
-}
-fn default_sa() -> String {
-    "default".into()
-}
-
-impl Workload {
-    pub fn identity(&self, trust_domain: &str) -> Identity {
-        Identity::new(trust_domain, &self.namespace, &self.service_account)
-    }
-}
-
-/// A port of a service: the port clients use and the port the workloads listen on.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ServicePort {
-    pub port: u16,
-    #[serde(default)]
-    pub target_port: Option<u16>,
-}
-
-/// A service: virtual IPs and a hostname, ports, and the workloads behind it.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Service {
-    pub name: String,
-    #[serde(default = "default_namespace")]
-    pub namespace: String,
-    #[serde(default)]
-    pub hostname: Option<String>,
-    #[serde(default)]
-    pub vips: Vec<IpAddr>,
-    pub ports: Vec<ServicePort>,
-    /// Workload uids.
-    pub workloads: Vec<String>,
-}
+pub use crate::state::policy::Authorization;
+pub use crate::state::{Protocol, Service, ServicePort, Workload};
 
 /// Where the node's HBONE inbound can be reached when it is not `<workload ip>:hbone_port`
 /// (several nodes on one machine).
@@ -212,9 +167,37 @@ pub struct Config {
     /// eBPF mode: where the proxy writes (mode 0600) the token that changing the redirect
     /// through the admin API requires; `mbtunnel redirect ebpf` reads it.
     pub ebpf_token_file: PathBuf,
+    /// istiod's xDS endpoint (`https://host:15012`). Set: workloads, services and policies come
+    /// over delta xDS and the file must not list any.
+    pub xds_address: Option<String>,
+    /// istiod's CA endpoint; unset with `xds_address` set: the same address. Set: certificates
+    /// come from that CA and the proxy holds no CA key.
+    pub ca_address: Option<String>,
+    /// Root certificate(s) that verify the xDS server: a PEM file path or inline PEM.
+    pub xds_root_ca: String,
+    /// Root certificate(s) that verify the CA server: a PEM file path or inline PEM.
+    pub ca_root_ca: String,
+    /// The projected service-account token sent as `authorization: Bearer` (read per call).
+    pub auth_token_file: PathBuf,
+    /// A fixed token instead of the file (`AUTH_TOKEN`).
+    pub auth_token: Option<String>,
+    pub cluster_id: String,
+    pub pod_name: String,
+    pub pod_namespace: String,
+    pub instance_ip: Option<IpAddr>,
+    /// Extra gRPC metadata on xDS calls.
+    pub xds_headers: BTreeMap<String, String>,
+    /// Extra gRPC metadata on CA calls.
+    pub ca_headers: BTreeMap<String, String>,
+    /// Local mode: re-read the config file's workloads, services and policies when it changes.
+    pub watch_file: bool,
+    /// The file this configuration was read from (set by the loader, not written in it).
+    #[serde(skip)]
+    pub config_file: Option<PathBuf>,
     pub nodes: Vec<Node>,
     pub workloads: Vec<Workload>,
     pub services: Vec<Service>,
+    pub policies: Vec<Authorization>,
 }
 
 impl Default for Config {
@@ -250,9 +233,24 @@ impl Default for Config {
             ebpf_enabled: false,
             ebpf_uplinks: Vec::new(),
             ebpf_token_file: PathBuf::from(crate::redirect::ebpf::DEFAULT_TOKEN_FILE),
+            xds_address: None,
+            ca_address: None,
+            xds_root_ca: "./var/run/secrets/istio/root-cert.pem".into(),
+            ca_root_ca: "./var/run/secrets/istio/root-cert.pem".into(),
+            auth_token_file: PathBuf::from("./var/run/secrets/tokens/istio-token"),
+            auth_token: None,
+            cluster_id: "Kubernetes".into(),
+            pod_name: String::new(),
+            pod_namespace: String::new(),
+            instance_ip: None,
+            xds_headers: BTreeMap::new(),
+            ca_headers: BTreeMap::new(),
+            watch_file: true,
+            config_file: None,
             nodes: Vec::new(),
             workloads: Vec::new(),
             services: Vec::new(),
+            policies: Vec::new(),
         }
     }
 }
@@ -270,7 +268,9 @@ impl Config {
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|source| ConfigError::Read { path: path.into(), source })?;
-        Config::from_yaml(&text, path)
+        let mut c = Config::from_yaml(&text, path)?;
+        c.config_file = Some(path.to_path_buf());
+        Ok(c)
     }
 
     /// Applies environment overrides (see [`env`]) through `get`.
@@ -321,6 +321,46 @@ impl Config {
         if let Some(v) = get(env::INPOD_UDS) {
             self.inpod_socket = v.into();
         }
+        let nonempty = |v: String| Some(v).filter(|v| !v.trim().is_empty());
+        if let Some(v) = get(env::XDS_ADDRESS).and_then(nonempty) {
+            self.xds_address = Some(v);
+        }
+        if let Some(v) = get(env::CA_ADDRESS).and_then(nonempty) {
+            self.ca_address = Some(v);
+        }
+        if let Some(v) = get(env::XDS_ROOT_CA).and_then(nonempty) {
+            self.xds_root_ca = v;
+        }
+        if let Some(v) = get(env::CA_ROOT_CA).and_then(nonempty) {
+            self.ca_root_ca = v;
+        }
+        if let Some(v) = get(env::AUTH_TOKEN).and_then(nonempty) {
+            self.auth_token = Some(v);
+        }
+        if let Some(v) = get(env::AUTH_TOKEN_FILE).and_then(nonempty) {
+            self.auth_token_file = v.into();
+        }
+        if let Some(v) = get(env::CLUSTER_ID).and_then(nonempty) {
+            self.cluster_id = v;
+        }
+        if let Some(v) = get(env::SECRET_TTL).and_then(nonempty) {
+            self.cert_lifetime_secs = parse_duration(&v)
+                .map_err(|e| ConfigError::Invalid(format!("{}: {e}", env::SECRET_TTL)))?
+                .as_secs();
+        }
+        if let Some(v) = get(env::POD_NAME) {
+            self.pod_name = v;
+        }
+        if let Some(v) = get(env::POD_NAMESPACE) {
+            self.pod_namespace = v;
+        }
+        if let Some(v) = get(env::INSTANCE_IP).and_then(nonempty) {
+            // Several IPs may be given comma-separated; the first names the node.
+            let first = v.split(',').next().unwrap_or_default().trim();
+            self.instance_ip = Some(first.parse().map_err(|_| {
+                ConfigError::Invalid(format!("{}: '{v}' is not an IP address", env::INSTANCE_IP))
+            })?);
+        }
         if let Some(v) = get(env::LOG_FORMAT) {
             self.log_format = match v.as_str() {
                 "text" => LogFormat::Text,
@@ -334,6 +374,33 @@ impl Config {
             };
         }
         self.validate()
+    }
+
+    /// Applies `XDS_HEADER_<k>` / `CA_HEADER_<k>` variables from `vars`.
+    pub fn apply_header_env(&mut self, vars: impl Iterator<Item = (String, String)>) {
+        for (k, v) in vars {
+            if let Some(h) = k.strip_prefix(env::XDS_HEADER_PREFIX) {
+                self.xds_headers.insert(h.to_ascii_lowercase(), v);
+            } else if let Some(h) = k.strip_prefix(env::CA_HEADER_PREFIX) {
+                self.ca_headers.insert(h.to_ascii_lowercase(), v);
+            }
+        }
+    }
+
+    /// The CA endpoint in use: `ca_address`, else `xds_address`.
+    pub fn effective_ca_address(&self) -> Option<&str> {
+        self.ca_address.as_deref().or(self.xds_address.as_deref())
+    }
+
+    /// What the mesh-state store needs from the configuration.
+    pub fn store_config(&self) -> StoreConfig {
+        StoreConfig {
+            trust_domain: self.trust_domain.clone(),
+            node_name: self.node_name.clone(),
+            hbone_port: self.hbone_port,
+            node_hbone: self.nodes.iter().map(|n| (n.name.clone(), n.hbone_addr)).collect(),
+            inpod: self.inpod_enabled,
+        }
     }
 
     /// Cross-field checks.
@@ -371,26 +438,41 @@ impl Config {
         if let Some(k) = self.signer_scalar_below.filter(|k| *k > crate::mb::LANES) {
             return bad(format!("signer_scalar_below {k} exceeds the batch size 8"));
         }
+        if self.xds_address.is_some()
+            && !(self.workloads.is_empty() && self.services.is_empty() && self.policies.is_empty())
+        {
+            return bad(
+                "xds_address is set: workloads, services and policies come from the \
+                 control plane, so the file must not list any (remove them, or unset xds_address)"
+                    .into(),
+            );
+        }
+        for (name, v) in [("xds_address", &self.xds_address), ("ca_address", &self.ca_address)] {
+            if let Some(a) = v {
+                if !(a.starts_with("https://") || a.starts_with("http://")) {
+                    return bad(format!(
+                        "{name} '{a}' must be a URL such as https://istiod.istio-system.svc:15012"
+                    ));
+                }
+            }
+        }
         let mut uids = std::collections::HashSet::new();
         let mut ips = BTreeMap::new();
         for w in &self.workloads {
             if !uids.insert(&w.uid) {
                 return bad(format!("workload uid '{}' appears twice", w.uid));
             }
-            if w.ips.is_empty() {
-                return bad(format!("workload '{}' has no ips", w.uid));
-            }
-            let id = format!(
-                "spiffe://{}/ns/{}/sa/{}",
-                self.trust_domain, w.namespace, w.service_account
-            );
-            if let Err(e) = id.parse::<Identity>() {
-                return bad(format!("workload '{}': {e}", w.uid));
-            }
+            w.validate(&self.trust_domain).map_err(ConfigError::Invalid)?;
             for ip in &w.ips {
                 if let Some(other) = ips.insert(*ip, &w.uid) {
                     return bad(format!("ip {ip} belongs to workloads '{other}' and '{}'", w.uid));
                 }
+            }
+        }
+        let mut pols = std::collections::HashSet::new();
+        for p in &self.policies {
+            if !pols.insert(p.key()) {
+                return bad(format!("policy '{}' appears twice", p.key()));
             }
         }
         for s in &self.services {
@@ -410,9 +492,68 @@ impl Config {
     }
 }
 
+/// Parses a duration as Go and Istio write them: `24h`, `90m`, `1h30m`, `3600s`, or a bare
+/// number of seconds.
+pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    let t = s.trim();
+    if let Ok(n) = t.parse::<u64>() {
+        return Ok(std::time::Duration::from_secs(n));
+    }
+    let mut total = 0u64;
+    let mut num = String::new();
+    for c in t.chars() {
+        if c.is_ascii_digit() {
+            num.push(c);
+            continue;
+        }
+        let unit = match c {
+            'h' => 3600,
+            'm' => 60,
+            's' => 1,
+            _ => return Err(format!("'{s}' is not a duration such as 24h, 90m or 3600s")),
+        };
+        let n: u64 = num.parse().map_err(|_| format!("'{s}' is not a duration such as 24h"))?;
+        total = total.saturating_add(n.saturating_mul(unit));
+        num.clear();
+    }
+    if !num.is_empty() || total == 0 {
+        return Err(format!("'{s}' is not a positive duration such as 24h, 90m or 3600s"));
+    }
+    Ok(std::time::Duration::from_secs(total))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_plane_settings_from_env() {
+        let mut c = Config::default();
+        c.apply_env(|k| match k {
+            env::XDS_ADDRESS => Some("https://istiod.istio-system.svc:15012".into()),
+            env::SECRET_TTL => Some("1h30m".into()),
+            env::INSTANCE_IP => Some("10.0.0.7,fd00::7".into()),
+            env::CLUSTER_ID => Some("c1".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(c.effective_ca_address(), Some("https://istiod.istio-system.svc:15012"));
+        assert_eq!(c.cert_lifetime_secs, 5400);
+        assert_eq!(c.instance_ip, Some("10.0.0.7".parse().unwrap()));
+        assert_eq!(c.cluster_id, "c1");
+        c.apply_header_env([("XDS_HEADER_X-Tenant".to_string(), "t1".to_string())].into_iter());
+        assert_eq!(c.xds_headers["x-tenant"], "t1");
+        let e = c.apply_env(|k| (k == env::SECRET_TTL).then(|| "soon".into())).unwrap_err();
+        assert!(e.to_string().contains("SECRET_TTL"), "{e}");
+        let e = Config::from_yaml(
+            "xds_address: https://x:15012\nworkloads: [{uid: a, name: a, ips: [1.1.1.1], node: n}]\n",
+            Path::new("t.yaml"),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("must not list"), "{e}");
+        let e = Config::from_yaml("xds_address: istiod:15012\n", Path::new("t.yaml")).unwrap_err();
+        assert!(e.to_string().contains("URL"), "{e}");
+    }
 
     const GOOD: &str = r#"
 node_name: node-a

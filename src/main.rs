@@ -99,6 +99,20 @@ struct RunArgs {
     /// [env: MBTUNNEL_EBPF_UPLINKS]
     #[arg(long, value_delimiter = ',')]
     ebpf_uplinks: Vec<String>,
+    /// istiod's xDS endpoint, e.g. https://istiod.istio-system.svc:15012. Set: workloads,
+    /// services and authorization policies come over delta xDS (the file must list none).
+    /// Also read: XDS_ROOT_CA (PEM file or inline PEM that verifies istiod; default
+    /// ./var/run/secrets/istio/root-cert.pem), AUTH_TOKEN or MBTUNNEL_AUTH_TOKEN_FILE (bearer
+    /// token; default file ./var/run/secrets/tokens/istio-token), CLUSTER_ID (default
+    /// Kubernetes), POD_NAME, POD_NAMESPACE, INSTANCE_IP, NODE_NAME, XDS_HEADER_<k>.
+    /// [env: XDS_ADDRESS]
+    #[arg(long)]
+    xds_address: Option<String>,
+    /// istiod's CA endpoint (default: the xDS address). Set: certificates are requested with a
+    /// CSR and the proxy holds no CA key. Also read: CA_ROOT_CA, SECRET_TTL (requested lifetime,
+    /// e.g. 24h), CA_HEADER_<k>. [env: CA_ADDRESS]
+    #[arg(long)]
+    ca_address: Option<String>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -402,6 +416,13 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
         None => Config::default(),
     };
     cfg.apply_env(|k| std::env::var(k).ok())?;
+    cfg.apply_header_env(std::env::vars());
+    if let Some(v) = &a.xds_address {
+        cfg.xds_address = Some(v.clone());
+    }
+    if let Some(v) = &a.ca_address {
+        cfg.ca_address = Some(v.clone());
+    }
     if let Some(v) = &a.node_name {
         cfg.node_name = v.clone();
     }

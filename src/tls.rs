@@ -151,8 +151,18 @@ impl TlsProvider {
         &self.store
     }
 
-    fn contexts(&self, id: &Identity) -> Result<Arc<Contexts>, TlsError> {
-        let bundle = self.store.fetch(id).map_err(|e| TlsError::Cert(e.to_string()))?;
+    /// Drops the contexts built for `id` (its certificate was forgotten).
+    pub fn forget(&self, id: &Identity) {
+        self.cache.lock().unwrap().remove(id);
+    }
+
+    /// Identities with contexts built now.
+    pub fn cached(&self) -> usize {
+        self.cache.lock().unwrap().len()
+    }
+
+    async fn contexts(&self, id: &Identity) -> Result<Arc<Contexts>, TlsError> {
+        let bundle = self.store.fetch(id).await.map_err(|e| TlsError::Cert(e.to_string()))?;
         if let Some(c) = self.cache.lock().unwrap().get(id) {
             if c.serial == bundle.serial {
                 return Ok(c.clone());
@@ -169,7 +179,9 @@ impl TlsProvider {
 
     fn root_store(bundle: &CertBundle) -> Result<boring::x509::store::X509Store, TlsError> {
         let mut b = X509StoreBuilder::new()?;
-        b.add_cert(X509::from_der(&bundle.root_der)?)?;
+        for r in &bundle.roots_der {
+            b.add_cert(X509::from_der(r)?)?;
+        }
         Ok(b.build())
     }
 
@@ -181,6 +193,9 @@ impl TlsProvider {
         b.set_options(SslOptions::NO_TICKET);
         b.set_session_cache_mode(SslSessionCacheMode::OFF);
         b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
+        for c in &bundle.chain_der {
+            b.add_extra_chain_cert(X509::from_der(c)?)?;
+        }
         if self.inline_signing {
             b.set_private_key(&bundle.key)?;
         } else {
@@ -234,7 +249,7 @@ impl TlsProvider {
     ) -> Result<(SslStream<S>, Identity), TlsError> {
         let start = Instant::now();
         let r = async {
-            let ctx = self.contexts(local)?;
+            let ctx = self.contexts(local).await?;
             let s = tokio_boring::accept(&ctx.acceptor, stream)
                 .await
                 .map_err(|e| TlsError::Handshake(handshake_error_text(&e)))?;
@@ -261,7 +276,7 @@ impl TlsProvider {
     ) -> Result<SslStream<S>, TlsError> {
         let start = Instant::now();
         let r = async {
-            let ctx = self.contexts(local)?;
+            let ctx = self.contexts(local).await?;
             let mut cfg = ctx.connector.configure()?;
             cfg.set_verify_hostname(false);
             cfg.set_use_server_name_indication(false);

@@ -414,7 +414,7 @@ async fn configmap_config_runs_with_a_make_ca_root() {
     assert_eq!(code, 200, "{body}");
     assert!(body.contains("mbtunnel_signer_backend_info"), "{body}");
     let id = "spiffe://cluster.local/ns/demo/sa/echo".parse().unwrap();
-    let cert = running.store.fetch(&id).expect("node-2 holds echo's certificate");
+    let cert = running.store.fetch(&id).await.expect("node-2 holds echo's certificate");
     drop(cert);
     running.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);

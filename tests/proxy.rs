@@ -264,8 +264,8 @@ async fn renewal_keeps_live_connections_and_new_ones_use_the_new_cert() {
     let mut buf = [0u8; 6];
     r.read_exact(&mut buf).await.unwrap();
     let echo_id: Identity = ECHO.parse().unwrap();
-    let old = m.b.store.fetch(&echo_id).unwrap().serial.clone();
-    let new = m.b.store.renew(&echo_id).unwrap().serial.clone();
+    let old = m.b.store.fetch(&echo_id).await.unwrap().serial.clone();
+    let new = m.b.store.renew(&echo_id).await.unwrap().serial.clone();
     assert_ne!(old, new);
     // The long connection survives the renewal.
     w.write_all(b"after!").await.unwrap();

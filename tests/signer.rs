@@ -81,7 +81,7 @@ async fn servers(side: &Side, per_alg: usize) -> Vec<(std::net::SocketAddr, Iden
     for (a, tls) in side.tls.iter().enumerate() {
         for i in 0..per_alg {
             let sid = id(&format!("srv{a}"), i);
-            tls.store().fetch(&sid).unwrap();
+            tls.store().fetch(&sid).await.unwrap();
             let l = tokio::net::TcpListener::bind("127.0.31.1:0").await.unwrap();
             out.push((l.local_addr().unwrap(), sid.clone(), a));
             let tls = tls.clone();
@@ -124,7 +124,7 @@ async fn hundreds_of_concurrent_mixed_handshakes_batch_and_verify() {
     // Client identities: 4 per algorithm, issued before the load starts.
     for (a, tls) in side.tls.iter().enumerate() {
         for i in 0..4 {
-            tls.store().fetch(&id(&format!("cli{a}"), i)).unwrap();
+            tls.store().fetch(&id(&format!("cli{a}"), i)).await.unwrap();
         }
     }
     let mut tasks = Vec::new();
@@ -177,7 +177,7 @@ async fn lone_handshake_runs_alone_without_a_timer() {
     let srv = servers(&side, 1).await;
     let (addr, sid, a) = srv[1].clone();
     let me = id("cli", 0);
-    side.tls[a].store().fetch(&me).unwrap();
+    side.tls[a].store().fetch(&me).await.unwrap();
     handshake(&side.tls[a], &me, addr, &sid).await.unwrap();
     let t = metrics_text(&reg);
     // Two signatures, each in a batch of its own: nothing waited for company.
@@ -308,7 +308,7 @@ async fn rotation_under_load_registers_new_keys_and_retires_old() {
     let srv = Arc::new(servers(&side, 1).await);
     let me = id("cli", 0);
     for tls in &side.tls {
-        tls.store().fetch(&me).unwrap();
+        tls.store().fetch(&me).await.unwrap();
     }
     let load = {
         let (side_tls, srv, me) = (side.tls.clone(), srv.clone(), me.clone());
@@ -334,7 +334,7 @@ async fn rotation_under_load_registers_new_keys_and_retires_old() {
         for (a, tls) in side.tls.iter().enumerate() {
             let store = tls.store().clone();
             let sid = srv.iter().find(|s| s.2 == a).unwrap().1.clone();
-            tokio::task::spawn_blocking(move || store.renew(&sid).unwrap()).await.unwrap();
+            store.renew(&sid).await.unwrap();
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -36,6 +36,10 @@ pub enum CaError {
     Issue { identity: String, message: String },
     #[error("key generation: {0}")]
     KeyGen(String),
+    #[error("CA request for {identity} failed: {message}")]
+    Remote { identity: String, message: String },
+    #[error("CA answer for {identity} refused: {message}")]
+    BadResponse { identity: String, message: String },
 }
 
 /// A BoringSSL private key usable by rcgen for signing and as a subject public key.
@@ -243,6 +247,11 @@ impl DevCa {
 
     pub fn root_der(&self) -> &[u8] {
         &self.root_der
+    }
+
+    /// The directory the root was loaded from.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Issues a leaf certificate for `identity` with a fresh key of algorithm `alg`.

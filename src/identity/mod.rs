@@ -1,7 +1,11 @@
-//! Workload identities (SPIFFE ids), the development CA, and the certificate store.
+//! Workload identities (SPIFFE ids), certificate sources (the development CA, istiod's CA), the
+//! certificate store, and the manager that keeps certificates for the node's workloads.
 #![forbid(unsafe_code)]
 
 pub mod ca;
+pub mod istio;
+pub mod manager;
+pub mod source;
 pub mod store;
 
 use std::fmt;

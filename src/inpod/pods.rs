@@ -71,8 +71,7 @@ impl InPod {
         fd: Option<OwnedFd>,
     ) -> Result<(), PodError> {
         let state = &self.ctx.state;
-        let w =
-            state.workload_by_uid(uid).cloned().ok_or_else(|| PodError::UnknownUid(uid.into()))?;
+        let w = state.workload_by_uid(uid).ok_or_else(|| PodError::UnknownUid(uid.into()))?;
         if let Some(i) = info {
             let cni = format!("{}/{} (sa {})", i.namespace, i.name, i.service_account);
             let st = format!("{}/{} (sa {})", w.namespace, w.name, w.service_account);
@@ -134,26 +133,34 @@ impl InPod {
             }
         }
         let id = state.identity_of(&w);
-        let store = self.store.clone();
-        let id2 = id.clone();
-        tokio::task::spawn_blocking(move || store.fetch(&id2))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|r| r.map(|_| ()).map_err(|e| e.to_string()))
-            .map_err(|error| PodError::Certificate {
+        // Enrolled first, so that the certificate manager counts the identity as wanted while
+        // its certificate is requested (one request: the store shares it).
+        state.set_enrolled(uid, true);
+        if let Err(e) = self.store.fetch(&id).await {
+            state.set_enrolled(uid, false);
+            return Err(PodError::Certificate {
                 uid: uid.into(),
                 identity: id.to_string(),
-                error,
-            })?;
+                error: e.to_string(),
+            });
+        }
+        let pod_uid: Arc<str> = Arc::from(uid);
         let mut listeners = Vec::new();
         for (port, l) in bound {
             let ctx = self.ctx.clone();
             let ns = netns.clone();
+            let pod_uid = pod_uid.clone();
             let drain = ctx.drain.clone();
             listeners.push(match port {
                 OUTBOUND_PORT => {
                     tokio::spawn(proxy::accept_loop("pod_outbound", l, drain, move |s, p| {
-                        proxy::outbound::handle(ctx.clone(), s, p, Some(ns.clone()))
+                        proxy::outbound::handle(
+                            ctx.clone(),
+                            s,
+                            p,
+                            Some(ns.clone()),
+                            Some(pod_uid.clone()),
+                        )
                     }))
                 }
                 INBOUND_PORT => {
@@ -171,7 +178,6 @@ impl InPod {
                 )),
             });
         }
-        state.set_enrolled(uid, true);
         tracing::info!(uid, workload = %w.name, identity = %id, netns = %netns.id(), ips = ?w.ips,
             "pod enrolled: listening on 15001/15006/15008 in its network namespace");
         let mut pods = self.pods.lock().unwrap();

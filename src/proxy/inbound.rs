@@ -49,7 +49,7 @@ pub async fn serve_hbone<S: Stream>(
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let span = tracing::info_span!("inbound", id, src = %peer, dst = %reached);
     async move {
-        let Some(local) = ctx.state.local_workload_by_ip(reached.ip()).cloned() else {
+        let Some(local) = ctx.state.local_workload_by_ip(reached.ip()) else {
             ctx.metrics.refuse("no_local_workload");
             tracing::warn!("refused: {} is not a workload on this node", reached.ip());
             return;
@@ -114,7 +114,7 @@ async fn serve_connect(
         Ok(t) => t,
         Err(e) => return refuse(e),
     };
-    let Some(dst_wl) = ctx.state.local_workload_by_ip(target.ip()).cloned() else {
+    let Some(dst_wl) = ctx.state.local_workload_by_ip(target.ip()) else {
         return refuse(ConnectRefusal::UnknownTarget(target));
     };
     if target.ip() != reached.ip() {
@@ -185,7 +185,7 @@ pub async fn handle_plaintext(
             tracing::warn!("refused: plaintext connection to the proxy's own listener would loop");
             return;
         }
-        let Some(dst_wl) = ctx.state.local_workload_by_ip(dst.ip()).cloned() else {
+        let Some(dst_wl) = ctx.state.local_workload_by_ip(dst.ip()) else {
             ctx.metrics.refuse("no_local_workload");
             tracing::warn!("refused: {} is not a workload on this node", dst.ip());
             return;

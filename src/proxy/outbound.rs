@@ -18,12 +18,15 @@ use crate::metrics::{Reporter, SecurityPolicy};
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// `netns`: the pod whose listener accepted (in-pod mode); sockets toward the network are opened
-/// there so they leave with the pod's address.
+/// there so they leave with the pod's address. `pod_uid`: that pod's workload, which is then the
+/// source identity whatever source address the packets carry (a pod that adds a neighbour's IP
+/// must not get the neighbour's certificate).
 pub async fn handle(
     ctx: Arc<Ctx>,
     mut client: TcpStream,
     peer: SocketAddr,
     netns: Option<Arc<Netns>>,
+    pod_uid: Option<Arc<str>>,
 ) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let redirected = original_dst(&client);
@@ -57,7 +60,17 @@ pub async fn handle(
             tracing::warn!("refused: connection to the proxy's own listener would loop");
             return;
         }
-        let src_wl = ctx.state.local_workload_by_ip(peer.ip()).cloned();
+        let src_wl = match &pod_uid {
+            Some(uid) => {
+                let w = ctx.state.workload_by_uid(uid);
+                if let Some(w) = w.as_ref().filter(|w| !w.ips.contains(&peer.ip())) {
+                    tracing::warn!(pod = %w.uid, source = %peer.ip(), ips = ?w.ips,
+                        "source address is not the pod's own: the pod's identity is used");
+                }
+                w
+            }
+            None => ctx.state.local_workload_by_ip(peer.ip()),
+        };
         let Some(upstream) = upstream else {
             // Not a mesh destination: pass through unchanged.
             let rec = ConnRecord::open(

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod cp;
 pub mod netns;
 
 use std::net::{IpAddr, SocketAddr};

@@ -1,0 +1,569 @@
+//! The mesh as this node sees it: workloads, services and authorization policies in one live
+//! store. Two sources feed it through [`Store::apply`]: the local YAML file (reloaded when it
+//! changes) and delta xDS from istiod. Lookups by IP, uid, service VIP and hostname are hash
+//! lookups; subscribers (the certificate manager, in-pod mode, the proxy) watch a version number
+//! that moves on every applied change.
+#![forbid(unsafe_code)]
+
+pub mod policy;
+pub mod service;
+pub mod workload;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
+
+use tokio::sync::watch;
+
+pub use policy::Authorization;
+pub use service::{Service, ServicePort};
+pub use workload::{PortMapping, Protocol, Workload};
+
+use crate::identity::Identity;
+
+/// Where an outbound connection goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Upstream {
+    pub workload: Arc<Workload>,
+    /// The workload address the connection is for (after service VIP translation).
+    pub target: SocketAddr,
+    pub identity: Identity,
+    pub protocol: Protocol,
+    /// Where to dial for HBONE (the destination node's inbound).
+    pub hbone_addr: SocketAddr,
+    /// The service the destination was addressed through, if any.
+    pub service: Option<Arc<Service>>,
+}
+
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum LookupError {
+    #[error("service {0} has no workloads")]
+    NoEndpoints(String),
+    #[error("service {service} has no port {port}")]
+    NoServicePort { service: String, port: u16 },
+}
+
+/// One resource of the mesh.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resource {
+    Workload(Workload),
+    Service(Service),
+    Policy(Authorization),
+}
+
+impl Resource {
+    /// The resource name (workload uid, service `namespace/hostname`, policy `namespace/name`).
+    pub fn name(&self) -> String {
+        match self {
+            Resource::Workload(w) => w.uid.clone(),
+            Resource::Service(s) => s.key(),
+            Resource::Policy(p) => p.key(),
+        }
+    }
+}
+
+/// The two resource families of Istio's xDS: addresses (workloads and services share a name
+/// space) and authorization policies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    Address,
+    Policy,
+}
+
+/// A change: resources inserted or replaced, names removed.
+#[derive(Clone, Debug, Default)]
+pub struct Delta {
+    pub upserts: Vec<Resource>,
+    pub removes: Vec<(Family, String)>,
+}
+
+/// Static facts the store needs to answer lookups.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    pub trust_domain: String,
+    pub node_name: String,
+    pub hbone_port: u16,
+    /// Node name → HBONE address, when not `<workload ip>:hbone_port` (several nodes on one
+    /// machine, local file only).
+    pub node_hbone: HashMap<String, SocketAddr>,
+    /// In-pod mode: the workloads served here are the pods the CNI enrolled (by uid).
+    pub inpod: bool,
+}
+
+#[derive(Default, Debug)]
+struct Index {
+    workloads: HashMap<String, Arc<Workload>>,
+    by_ip: HashMap<IpAddr, Arc<Workload>>,
+    services: HashMap<String, Arc<Service>>,
+    by_vip: HashMap<IpAddr, Arc<Service>>,
+    by_host: HashMap<String, Arc<Service>>,
+    /// Service key → uids of the workloads behind it, sorted.
+    endpoints: HashMap<String, Vec<String>>,
+    policies: HashMap<String, Arc<Authorization>>,
+}
+
+impl Index {
+    fn remove_workload(&mut self, uid: &str) -> bool {
+        let Some(old) = self.workloads.remove(uid) else { return false };
+        for ip in &old.ips {
+            if self.by_ip.get(ip).is_some_and(|w| w.uid == uid) {
+                self.by_ip.remove(ip);
+            }
+        }
+        for svc in old.services.keys() {
+            if let Some(v) = self.endpoints.get_mut(svc) {
+                v.retain(|u| u != uid);
+                if v.is_empty() {
+                    self.endpoints.remove(svc);
+                }
+            }
+        }
+        true
+    }
+
+    fn insert_workload(&mut self, w: Workload) {
+        self.remove_workload(&w.uid);
+        let w = Arc::new(w);
+        for ip in &w.ips {
+            if let Some(prev) = self.by_ip.insert(*ip, w.clone()) {
+                if prev.uid != w.uid {
+                    tracing::warn!(%ip, old = %prev.uid, new = %w.uid,
+                        "two workloads claim one address: the newer one wins");
+                }
+            }
+        }
+        for svc in w.services.keys() {
+            let v = self.endpoints.entry(svc.clone()).or_default();
+            if let Err(i) = v.binary_search(&w.uid) {
+                v.insert(i, w.uid.clone());
+            }
+        }
+        self.workloads.insert(w.uid.clone(), w);
+    }
+
+    fn remove_service(&mut self, key: &str) -> bool {
+        let Some(old) = self.services.remove(key) else { return false };
+        for vip in &old.vips {
+            if self.by_vip.get(vip).is_some_and(|s| s.key() == key) {
+                self.by_vip.remove(vip);
+            }
+        }
+        let host = old.hostname();
+        if self.by_host.get(&host).is_some_and(|s| s.key() == key) {
+            self.by_host.remove(&host);
+        }
+        true
+    }
+
+    fn insert_service(&mut self, s: Service) {
+        let key = s.key();
+        self.remove_service(&key);
+        let s = Arc::new(s);
+        for vip in &s.vips {
+            self.by_vip.insert(*vip, s.clone());
+        }
+        self.by_host.insert(s.hostname(), s.clone());
+        self.services.insert(key, s);
+    }
+}
+
+/// Resource counts, for metrics and the config dump.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Counts {
+    pub workloads: usize,
+    pub services: usize,
+    pub policies: usize,
+}
+
+/// The live mesh state.
+#[derive(Debug)]
+pub struct Store {
+    cfg: StoreConfig,
+    index: RwLock<Index>,
+    version: watch::Sender<u64>,
+    rr: AtomicUsize,
+    enrolled: RwLock<HashSet<String>>,
+}
+
+pub type State = Store;
+
+impl Store {
+    pub fn new(cfg: StoreConfig) -> Store {
+        Store {
+            cfg,
+            index: RwLock::new(Index::default()),
+            version: watch::channel(0).0,
+            rr: AtomicUsize::new(0),
+            enrolled: RwLock::new(HashSet::new()),
+        }
+    }
+
+    pub fn trust_domain(&self) -> &str {
+        &self.cfg.trust_domain
+    }
+
+    pub fn node_name(&self) -> &str {
+        &self.cfg.node_name
+    }
+
+    /// Applies a change and notifies subscribers (once per call, even if nothing moved).
+    pub fn apply(&self, delta: Delta) {
+        {
+            let mut ix = self.index.write().unwrap();
+            for (family, name) in &delta.removes {
+                match family {
+                    Family::Address => {
+                        if !ix.remove_workload(name) {
+                            ix.remove_service(name);
+                        }
+                    }
+                    Family::Policy => {
+                        ix.policies.remove(name);
+                    }
+                }
+            }
+            for r in delta.upserts {
+                match r {
+                    Resource::Workload(w) => ix.insert_workload(w),
+                    Resource::Service(s) => ix.insert_service(s),
+                    Resource::Policy(p) => {
+                        ix.policies.insert(p.key(), Arc::new(p));
+                    }
+                }
+            }
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// A receiver whose value moves on every applied change.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    pub fn counts(&self) -> Counts {
+        let ix = self.index.read().unwrap();
+        Counts {
+            workloads: ix.workloads.len(),
+            services: ix.services.len(),
+            policies: ix.policies.len(),
+        }
+    }
+
+    /// Names held now, per family (what a reconnecting xDS client or a file reload compares).
+    pub fn names(&self, family: Family) -> Vec<String> {
+        let ix = self.index.read().unwrap();
+        let mut v: Vec<String> = match family {
+            Family::Address => ix.workloads.keys().chain(ix.services.keys()).cloned().collect(),
+            Family::Policy => ix.policies.keys().cloned().collect(),
+        };
+        v.sort();
+        v
+    }
+
+    pub fn workload_by_ip(&self, ip: IpAddr) -> Option<Arc<Workload>> {
+        self.index.read().unwrap().by_ip.get(&ip).cloned()
+    }
+
+    pub fn workload_by_uid(&self, uid: &str) -> Option<Arc<Workload>> {
+        self.index.read().unwrap().workloads.get(uid).cloned()
+    }
+
+    pub fn service_by_vip(&self, ip: IpAddr) -> Option<Arc<Service>> {
+        self.index.read().unwrap().by_vip.get(&ip).cloned()
+    }
+
+    pub fn service_by_hostname(&self, host: &str) -> Option<Arc<Service>> {
+        self.index.read().unwrap().by_host.get(host).cloned()
+    }
+
+    pub fn policy(&self, key: &str) -> Option<Arc<Authorization>> {
+        self.index.read().unwrap().policies.get(key).cloned()
+    }
+
+    pub fn policies(&self) -> Vec<Arc<Authorization>> {
+        let mut v: Vec<_> = self.index.read().unwrap().policies.values().cloned().collect();
+        v.sort_by_key(|p| p.key());
+        v
+    }
+
+    fn is_local(&self, w: &Workload) -> bool {
+        if self.cfg.inpod {
+            self.enrolled.read().unwrap().contains(&w.uid)
+        } else {
+            w.node == self.cfg.node_name
+        }
+    }
+
+    /// Workloads served by this proxy: those of this node, or in in-pod mode the enrolled pods.
+    pub fn local_workloads(&self) -> Vec<Arc<Workload>> {
+        let ix = self.index.read().unwrap();
+        let mut v: Vec<_> = ix.workloads.values().filter(|w| self.is_local(w)).cloned().collect();
+        v.sort_by(|a, b| a.uid.cmp(&b.uid));
+        v
+    }
+
+    /// Identities of the local workloads (what this node needs certificates for).
+    pub fn local_identities(&self) -> HashSet<Identity> {
+        self.local_workloads().iter().map(|w| self.identity_of(w)).collect()
+    }
+
+    /// The local workload owning `ip`, if any.
+    pub fn local_workload_by_ip(&self, ip: IpAddr) -> Option<Arc<Workload>> {
+        self.workload_by_ip(ip).filter(|w| self.is_local(w))
+    }
+
+    /// In-pod mode: starts (`true`) or stops serving the workload `uid`. No-op otherwise.
+    pub fn set_enrolled(&self, uid: &str, enrolled: bool) {
+        if !self.cfg.inpod {
+            return;
+        }
+        {
+            let mut set = self.enrolled.write().unwrap();
+            if enrolled {
+                set.insert(uid.to_string());
+            } else {
+                set.remove(uid);
+            }
+        }
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    pub fn identity_of(&self, w: &Workload) -> Identity {
+        w.identity(&self.cfg.trust_domain)
+    }
+
+    /// Resolves an original destination to an upstream. `Ok(None)`: not a mesh address
+    /// (passthrough).
+    pub fn resolve(&self, dst: SocketAddr) -> Result<Option<Upstream>, LookupError> {
+        let ix = self.index.read().unwrap();
+        let (workload, target, service) = if let Some(svc) = ix.by_vip.get(&dst.ip()) {
+            let key = svc.key();
+            let port = svc.ports.iter().find(|p| p.port == dst.port()).ok_or_else(|| {
+                LookupError::NoServicePort { service: key.clone(), port: dst.port() }
+            })?;
+            let eps = ix.endpoints.get(&key).map(Vec::as_slice).unwrap_or_default();
+            if eps.is_empty() {
+                return Err(LookupError::NoEndpoints(key));
+            }
+            let i = self.rr.fetch_add(1, Ordering::Relaxed) % eps.len();
+            let w =
+                ix.workloads.get(&eps[i]).ok_or_else(|| LookupError::NoEndpoints(key.clone()))?;
+            let mapped = w
+                .services
+                .get(&key)
+                .and_then(|ports| ports.iter().find(|m| m.service_port == port.port))
+                .map(|m| m.target_port)
+                .filter(|p| *p != 0);
+            let target_port = mapped.or(port.target_port).unwrap_or(port.port);
+            let ip = w.ips.iter().find(|ip| ip.is_ipv4() == dst.is_ipv4()).unwrap_or(&w.ips[0]);
+            (w.clone(), SocketAddr::new(*ip, target_port), Some(svc.clone()))
+        } else if let Some(w) = ix.by_ip.get(&dst.ip()) {
+            (w.clone(), dst, None)
+        } else {
+            return Ok(None);
+        };
+        drop(ix);
+        let hbone_addr = self
+            .cfg
+            .node_hbone
+            .get(&workload.node)
+            .copied()
+            .unwrap_or_else(|| SocketAddr::new(target.ip(), self.cfg.hbone_port));
+        Ok(Some(Upstream {
+            identity: self.identity_of(&workload),
+            protocol: workload.protocol,
+            workload,
+            target,
+            hbone_addr,
+            service,
+        }))
+    }
+
+    /// The store for the admin config dump.
+    pub fn dump(&self) -> serde_json::Value {
+        let ix = self.index.read().unwrap();
+        let sorted = |mut v: Vec<serde_json::Value>| {
+            v.sort_by_key(|x| x.to_string());
+            v
+        };
+        serde_json::json!({
+            "workloads": sorted(ix.workloads.values().map(|w| serde_json::json!(**w)).collect()),
+            "services": sorted(ix.services.values().map(|s| {
+                let mut v = serde_json::json!(**s);
+                v["endpoints"] = serde_json::json!(ix.endpoints.get(&s.key()).cloned().unwrap_or_default());
+                v
+            }).collect()),
+            "policies": sorted(ix.policies.values().map(|p| serde_json::json!(**p)).collect()),
+        })
+    }
+}
+
+/// The resources a local file describes: services list their workloads there, so each listed
+/// workload gets the service's port mappings (as xDS would send them).
+pub fn local_resources(
+    workloads: &[Workload],
+    services: &[Service],
+    policies: &[Authorization],
+) -> Vec<Resource> {
+    let mut ws: BTreeMap<&str, Workload> =
+        workloads.iter().map(|w| (w.uid.as_str(), w.clone())).collect();
+    for s in services {
+        let ports: Vec<PortMapping> = s
+            .ports
+            .iter()
+            .map(|p| PortMapping { service_port: p.port, target_port: p.target_port.unwrap_or(0) })
+            .collect();
+        for uid in &s.workloads {
+            if let Some(w) = ws.get_mut(uid.as_str()) {
+                w.services.insert(s.key(), ports.clone());
+            }
+        }
+    }
+    let mut out: Vec<Resource> = ws.into_values().map(Resource::Workload).collect();
+    out.extend(services.iter().cloned().map(Resource::Service));
+    out.extend(policies.iter().cloned().map(Resource::Policy));
+    out
+}
+
+/// The delta that turns what `store` holds into exactly `resources` (a full-state source such as
+/// the local file).
+pub fn replace_delta(store: &Store, resources: Vec<Resource>) -> Delta {
+    let mut keep_addr = HashSet::new();
+    let mut keep_pol = HashSet::new();
+    for r in &resources {
+        match r {
+            Resource::Policy(p) => keep_pol.insert(p.key()),
+            other => keep_addr.insert(other.name()),
+        };
+    }
+    let mut removes = Vec::new();
+    for n in store.names(Family::Address) {
+        if !keep_addr.contains(&n) {
+            removes.push((Family::Address, n));
+        }
+    }
+    for n in store.names(Family::Policy) {
+        if !keep_pol.contains(&n) {
+            removes.push((Family::Policy, n));
+        }
+    }
+    Delta { upserts: resources, removes }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wl(uid: &str, name: &str, sa: &str, ip: &str, node: &str) -> Workload {
+        serde_yaml::from_str(&format!(
+            "{{uid: {uid}, name: {name}, service_account: {sa}, ips: [{ip}], node: {node}}}"
+        ))
+        .unwrap()
+    }
+
+    fn store() -> Store {
+        let s = Store::new(StoreConfig {
+            trust_domain: "cluster.local".into(),
+            node_name: "a".into(),
+            hbone_port: 15008,
+            node_hbone: [("b".to_string(), "127.0.0.3:25008".parse().unwrap())].into(),
+            inpod: false,
+        });
+        let svc: Service = serde_yaml::from_str(
+            "{name: echo, vips: [10.96.0.1], ports: [{port: 80, target_port: 8080}], workloads: [s1, s2]}",
+        )
+        .unwrap();
+        let ws = [
+            wl("c", "client", "default", "10.0.1.2", "a"),
+            wl("s1", "echo-1", "echo", "10.0.2.2", "b"),
+            wl("s2", "echo-2", "echo", "10.0.2.3", "b"),
+        ];
+        s.apply(Delta { upserts: local_resources(&ws, &[svc], &[]), removes: vec![] });
+        s
+    }
+
+    #[test]
+    fn resolves_workload_and_service() {
+        let s = store();
+        let u = s.resolve("10.0.2.2:9000".parse().unwrap()).unwrap().unwrap();
+        assert_eq!(u.target, "10.0.2.2:9000".parse().unwrap());
+        assert_eq!(u.hbone_addr, "127.0.0.3:25008".parse().unwrap());
+        assert_eq!(u.identity.to_string(), "spiffe://cluster.local/ns/default/sa/echo");
+        let a = s.resolve("10.96.0.1:80".parse().unwrap()).unwrap().unwrap();
+        let b = s.resolve("10.96.0.1:80".parse().unwrap()).unwrap().unwrap();
+        assert_eq!(a.target.port(), 8080);
+        assert_ne!(a.target, b.target, "round robin over endpoints");
+        assert!(s.resolve("10.96.0.1:81".parse().unwrap()).is_err());
+        assert!(s.resolve("1.1.1.1:80".parse().unwrap()).unwrap().is_none());
+        let c = s.resolve("10.0.1.2:1".parse().unwrap()).unwrap().unwrap();
+        assert_eq!(c.hbone_addr, "10.0.1.2:15008".parse().unwrap(), "default: workload ip:15008");
+        assert_eq!(s.local_workloads().len(), 1);
+        assert!(s.service_by_hostname("echo.default.svc.cluster.local").is_some());
+    }
+
+    #[test]
+    fn deltas_update_every_index_and_notify() {
+        let s = store();
+        let mut rx = s.subscribe();
+        rx.borrow_and_update();
+        // s1 moves to a new address and leaves the service; s2 is removed.
+        let mut moved = wl("s1", "echo-1", "echo", "10.0.2.9", "b");
+        moved.services.clear();
+        s.apply(Delta {
+            upserts: vec![Resource::Workload(moved)],
+            removes: vec![(Family::Address, "s2".into())],
+        });
+        assert!(rx.has_changed().unwrap());
+        assert!(s.workload_by_ip("10.0.2.2".parse().unwrap()).is_none(), "old ip gone");
+        assert_eq!(s.workload_by_ip("10.0.2.9".parse().unwrap()).unwrap().uid, "s1");
+        assert!(s.workload_by_uid("s2").is_none());
+        assert_eq!(
+            s.resolve("10.96.0.1:80".parse().unwrap()).unwrap_err(),
+            LookupError::NoEndpoints("default/echo.default.svc.cluster.local".into())
+        );
+        // Removing the service by its name frees its VIP and hostname.
+        s.apply(Delta {
+            upserts: vec![],
+            removes: vec![(Family::Address, "default/echo.default.svc.cluster.local".into())],
+        });
+        assert!(s.service_by_vip("10.96.0.1".parse().unwrap()).is_none());
+        assert!(s.service_by_hostname("echo.default.svc.cluster.local").is_none());
+        assert_eq!(s.counts(), Counts { workloads: 2, services: 0, policies: 0 });
+    }
+
+    #[test]
+    fn replace_delta_removes_what_the_source_no_longer_has() {
+        let s = store();
+        let d =
+            replace_delta(&s, vec![Resource::Workload(wl("c", "client", "x", "10.0.1.2", "a"))]);
+        s.apply(d);
+        assert_eq!(s.names(Family::Address), vec!["c".to_string()]);
+        assert_eq!(s.local_identities().len(), 1);
+        assert!(s
+            .local_identities()
+            .contains(&"spiffe://cluster.local/ns/default/sa/x".parse().unwrap()));
+    }
+
+    #[test]
+    fn inpod_serves_enrolled_pods_only() {
+        let s = Store::new(StoreConfig {
+            trust_domain: "cluster.local".into(),
+            node_name: "a".into(),
+            hbone_port: 15008,
+            node_hbone: HashMap::new(),
+            inpod: true,
+        });
+        s.apply(Delta {
+            upserts: vec![Resource::Workload(wl("c", "client", "default", "10.0.1.2", "a"))],
+            removes: vec![],
+        });
+        let ip = "10.0.1.2".parse().unwrap();
+        assert!(s.local_workload_by_ip(ip).is_none(), "node match alone is not enough in-pod");
+        s.set_enrolled("c", true);
+        assert_eq!(s.local_workload_by_ip(ip).unwrap().name, "client");
+        assert_eq!(s.local_workloads().len(), 1);
+        s.set_enrolled("c", false);
+        assert!(s.local_workload_by_ip(ip).is_none());
+    }
+}

@@ -1,0 +1,50 @@
+//! A service, close to Istio's `istio.workload.Service`: virtual IPs, a hostname and ports. Its
+//! endpoints are the workloads that name it (`Workload::services`).
+#![forbid(unsafe_code)]
+
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+use super::workload::default_namespace;
+
+/// A port of a service: the port clients use and the port the workloads listen on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServicePort {
+    pub port: u16,
+    #[serde(default)]
+    pub target_port: Option<u16>,
+}
+
+/// A service: virtual IPs and a hostname, ports, and (local file only) the workloads behind it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Service {
+    pub name: String,
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// Empty: `<name>.<namespace>.svc.cluster.local`.
+    #[serde(default)]
+    pub hostname: Option<String>,
+    #[serde(default)]
+    pub vips: Vec<IpAddr>,
+    pub ports: Vec<ServicePort>,
+    /// Local file: workload uids behind the service. Over xDS the workloads name their services
+    /// and this stays empty.
+    #[serde(default)]
+    pub workloads: Vec<String>,
+}
+
+impl Service {
+    pub fn hostname(&self) -> String {
+        self.hostname
+            .clone()
+            .unwrap_or_else(|| format!("{}.{}.svc.cluster.local", self.name, self.namespace))
+    }
+
+    /// The store's key and the xDS resource name: `namespace/hostname`.
+    pub fn key(&self) -> String {
+        format!("{}/{}", self.namespace, self.hostname())
+    }
+}

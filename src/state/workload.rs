@@ -1,0 +1,113 @@
+//! A workload (pod) of the mesh, close to Istio's `istio.workload.Workload`: the fields the proxy
+//! routes, authenticates and labels metrics with. The local file writes the same type in YAML.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::identity::Identity;
+
+/// How a workload is reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum Protocol {
+    /// Through the destination node's proxy over HBONE (mTLS).
+    #[default]
+    #[serde(rename = "HBONE")]
+    Hbone,
+    /// Plain TCP (not in the mesh).
+    #[serde(rename = "TCP")]
+    Tcp,
+}
+
+/// A service port and the port the workload listens on for it (0: the same).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PortMapping {
+    pub service_port: u16,
+    #[serde(default)]
+    pub target_port: u16,
+}
+
+/// A workload (pod) of the mesh.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    pub uid: String,
+    pub name: String,
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    #[serde(default = "default_sa")]
+    pub service_account: String,
+    /// Empty: the proxy's trust domain.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub trust_domain: String,
+    pub ips: Vec<IpAddr>,
+    pub node: String,
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// `service.istio.io/canonical-name` (or the `app` label); empty: the workload name.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub canonical_name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub canonical_revision: String,
+    /// The deployment (or other owner) name; empty: the pod name.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub workload_name: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub cluster_id: String,
+    /// `namespace/name` of the WORKLOAD_SELECTOR authorization policies that select it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub authorization_policies: Vec<String>,
+    /// Services it backs, by `namespace/hostname`, with their port mappings (filled by xDS;
+    /// in the local file the services list their workloads instead).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub services: BTreeMap<String, Vec<PortMapping>>,
+}
+
+pub(crate) fn default_namespace() -> String {
+    "default".into()
+}
+pub(crate) fn default_sa() -> String {
+    "default".into()
+}
+
+impl Workload {
+    /// The workload's SPIFFE id; an empty trust domain means `default_td`.
+    pub fn identity(&self, default_td: &str) -> Identity {
+        let td = if self.trust_domain.is_empty() { default_td } else { &self.trust_domain };
+        Identity::new(td, &self.namespace, &self.service_account)
+    }
+
+    /// The canonical service name for metrics (`destination_canonical_service`).
+    pub fn canonical_service(&self) -> &str {
+        if self.canonical_name.is_empty() {
+            self.workload_or_name()
+        } else {
+            &self.canonical_name
+        }
+    }
+
+    /// The owner name for metrics (`destination_workload`).
+    pub fn workload_or_name(&self) -> &str {
+        if self.workload_name.is_empty() {
+            &self.name
+        } else {
+            &self.workload_name
+        }
+    }
+
+    /// Checks what the store relies on; the message names the workload.
+    pub fn validate(&self, default_td: &str) -> Result<(), String> {
+        if self.uid.is_empty() {
+            return Err(format!("workload '{}' has no uid", self.name));
+        }
+        if self.ips.is_empty() {
+            return Err(format!("workload '{}' has no ips", self.uid));
+        }
+        let id = format!("{}", self.identity(default_td));
+        id.parse::<Identity>().map_err(|e| format!("workload '{}': {e}", self.uid))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,294 @@
+//! xDS resources → mesh-state resources. Everything istiod may get wrong is checked here and
+//! named: missing names, IPs that are not 4 or 16 bytes, enum values this proxy does not know,
+//! ports out of range. A refused resource is NACKed; the others of the same response apply.
+#![forbid(unsafe_code)]
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use prost::Message;
+
+use crate::proto::{security as pb_sec, workload as pb};
+use crate::state::policy::{
+    Action, Authorization, Cidr, Clause, Match, Rule, Scope, ServiceAccountMatch, StringMatch,
+};
+use crate::state::{PortMapping, Protocol, Resource, Service, ServicePort, Workload};
+
+pub const ADDRESS_TYPE: &str = "type.googleapis.com/istio.workload.Address";
+pub const AUTHORIZATION_TYPE: &str = "type.googleapis.com/istio.security.Authorization";
+
+fn ip_of(b: &[u8]) -> Result<IpAddr, String> {
+    match b.len() {
+        4 => Ok(IpAddr::from(<[u8; 4]>::try_from(b).unwrap())),
+        16 => Ok(IpAddr::from(<[u8; 16]>::try_from(b).unwrap())),
+        n => Err(format!("an IP address of {n} bytes (expected 4 or 16)")),
+    }
+}
+
+fn port_of(p: u32, what: &str) -> Result<u16, String> {
+    u16::try_from(p).map_err(|_| format!("{what} {p} is out of range"))
+}
+
+/// Decodes one `istio.workload.Address` payload.
+pub fn address(bytes: &[u8]) -> Result<Resource, String> {
+    let a = pb::Address::decode(bytes).map_err(|e| format!("malformed Address: {e}"))?;
+    match a.r#type {
+        Some(pb::address::Type::Workload(w)) => workload(w).map(Resource::Workload),
+        Some(pb::address::Type::Service(s)) => service(s).map(Resource::Service),
+        None => Err("Address holds neither a workload nor a service".into()),
+    }
+}
+
+pub fn workload(w: pb::Workload) -> Result<Workload, String> {
+    if w.uid.is_empty() {
+        return Err(format!("workload '{}/{}' has no uid", w.namespace, w.name));
+    }
+    if w.namespace.is_empty() {
+        return Err("workload has no namespace".into());
+    }
+    let protocol = match pb::TunnelProtocol::try_from(w.tunnel_protocol) {
+        Ok(pb::TunnelProtocol::Hbone) => Protocol::Hbone,
+        Ok(pb::TunnelProtocol::None) => Protocol::Tcp,
+        Err(_) => return Err(format!("unknown tunnel_protocol {}", w.tunnel_protocol)),
+    };
+    let status = pb::WorkloadStatus::try_from(w.status)
+        .map_err(|_| format!("unknown status {}", w.status))?;
+    pb::WorkloadType::try_from(w.workload_type)
+        .map_err(|_| format!("unknown workload_type {}", w.workload_type))?;
+    let ips = w.addresses.iter().map(|a| ip_of(a)).collect::<Result<Vec<_>, _>>()?;
+    if ips.is_empty() {
+        // Workloads reached by hostname only (e.g. ServiceEntry DNS) are not proxied here.
+        return Err("workload has no addresses".into());
+    }
+    let mut services = BTreeMap::new();
+    // An unhealthy workload stays known (its identity, its policies) but receives no traffic
+    // through its services.
+    if status == pb::WorkloadStatus::Healthy {
+        for (svc, list) in w.services {
+            let ports = list
+                .ports
+                .iter()
+                .map(|p| {
+                    Ok(PortMapping {
+                        service_port: port_of(p.service_port, "service port")?,
+                        target_port: port_of(p.target_port, "target port")?,
+                    })
+                })
+                .collect::<Result<Vec<_>, String>>()?;
+            services.insert(svc, ports);
+        }
+    }
+    Ok(Workload {
+        uid: w.uid,
+        name: w.name,
+        namespace: w.namespace,
+        service_account: if w.service_account.is_empty() {
+            "default".into()
+        } else {
+            w.service_account
+        },
+        trust_domain: w.trust_domain,
+        ips,
+        node: w.node,
+        protocol,
+        canonical_name: w.canonical_name,
+        canonical_revision: w.canonical_revision,
+        workload_name: w.workload_name,
+        cluster_id: w.cluster_id,
+        authorization_policies: w.authorization_policies,
+        services,
+    })
+}
+
+pub fn service(s: pb::Service) -> Result<Service, String> {
+    if s.hostname.is_empty() || s.namespace.is_empty() {
+        return Err(format!("service '{}' has no hostname or namespace", s.name));
+    }
+    pb::IpFamilies::try_from(s.ip_families)
+        .map_err(|_| format!("unknown ip_families {}", s.ip_families))?;
+    let vips = s.addresses.iter().map(|a| ip_of(&a.address)).collect::<Result<Vec<_>, _>>()?;
+    let ports = s
+        .ports
+        .iter()
+        .map(|p| {
+            let target = port_of(p.target_port, "target port")?;
+            Ok(ServicePort {
+                port: port_of(p.service_port, "service port")?,
+                target_port: (target != 0).then_some(target),
+            })
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    Ok(Service {
+        name: s.name,
+        namespace: s.namespace,
+        hostname: Some(s.hostname),
+        vips,
+        ports,
+        workloads: Vec::new(),
+    })
+}
+
+fn string_match(m: &pb_sec::StringMatch) -> Result<StringMatch, String> {
+    use pb_sec::string_match::MatchType;
+    match &m.match_type {
+        Some(MatchType::Exact(s)) => Ok(StringMatch::Exact(s.clone())),
+        Some(MatchType::Prefix(s)) => Ok(StringMatch::Prefix(s.clone())),
+        Some(MatchType::Suffix(s)) => Ok(StringMatch::Suffix(s.clone())),
+        Some(MatchType::Presence(_)) => Ok(StringMatch::Presence),
+        None => Err("a string match with no match type".into()),
+    }
+}
+
+fn cidr(a: &pb_sec::Address) -> Result<Cidr, String> {
+    let ip = ip_of(&a.address)?;
+    let len = u8::try_from(a.length).map_err(|_| format!("prefix length {}", a.length))?;
+    Cidr::new(ip, len)
+}
+
+fn matches(m: &pb_sec::Match) -> Result<Match, String> {
+    let strs = |v: &[pb_sec::StringMatch]| v.iter().map(string_match).collect::<Result<_, _>>();
+    let cidrs = |v: &[pb_sec::Address]| v.iter().map(cidr).collect::<Result<_, _>>();
+    let ports = |v: &[u32]| v.iter().map(|p| port_of(*p, "port")).collect::<Result<_, _>>();
+    let sas = |v: &[pb_sec::ServiceAccountMatch]| {
+        v.iter()
+            .map(|s| ServiceAccountMatch {
+                namespace: s.namespace.clone(),
+                service_account: s.service_account.clone(),
+            })
+            .collect()
+    };
+    Ok(Match {
+        namespaces: strs(&m.namespaces)?,
+        not_namespaces: strs(&m.not_namespaces)?,
+        principals: strs(&m.principals)?,
+        not_principals: strs(&m.not_principals)?,
+        service_accounts: sas(&m.service_accounts),
+        not_service_accounts: sas(&m.not_service_accounts),
+        source_ips: cidrs(&m.source_ips)?,
+        not_source_ips: cidrs(&m.not_source_ips)?,
+        destination_ips: cidrs(&m.destination_ips)?,
+        not_destination_ips: cidrs(&m.not_destination_ips)?,
+        destination_ports: ports(&m.destination_ports)?,
+        not_destination_ports: ports(&m.not_destination_ports)?,
+    })
+}
+
+/// Decodes one `istio.security.Authorization` payload.
+pub fn authorization(bytes: &[u8]) -> Result<Resource, String> {
+    let a = pb_sec::Authorization::decode(bytes)
+        .map_err(|e| format!("malformed Authorization: {e}"))?;
+    if a.name.is_empty() || a.namespace.is_empty() {
+        return Err("policy has no name or namespace".into());
+    }
+    let scope = match pb_sec::Scope::try_from(a.scope) {
+        Ok(pb_sec::Scope::Global) => Scope::Global,
+        Ok(pb_sec::Scope::Namespace) => Scope::Namespace,
+        Ok(pb_sec::Scope::WorkloadSelector) => Scope::WorkloadSelector,
+        Err(_) => return Err(format!("unknown scope {}", a.scope)),
+    };
+    let action = match pb_sec::Action::try_from(a.action) {
+        Ok(pb_sec::Action::Allow) => Action::Allow,
+        Ok(pb_sec::Action::Deny) => Action::Deny,
+        Err(_) => return Err(format!("unknown action {}", a.action)),
+    };
+    let rules = a
+        .rules
+        .iter()
+        .map(|r| {
+            Ok(Rule {
+                clauses: r
+                    .clauses
+                    .iter()
+                    .map(|c| {
+                        Ok(Clause {
+                            matches: c
+                                .matches
+                                .iter()
+                                .map(matches)
+                                .collect::<Result<_, String>>()?,
+                        })
+                    })
+                    .collect::<Result<_, String>>()?,
+            })
+        })
+        .collect::<Result<_, String>>()?;
+    Ok(Resource::Policy(Authorization {
+        name: a.name,
+        namespace: a.namespace,
+        scope,
+        action,
+        rules,
+        dry_run: a.dry_run,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wl() -> pb::Workload {
+        pb::Workload {
+            uid: "c1//Pod/ns/p".into(),
+            name: "p".into(),
+            namespace: "ns".into(),
+            addresses: vec![vec![10, 0, 0, 1]],
+            tunnel_protocol: pb::TunnelProtocol::Hbone as i32,
+            node: "n1".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn defaults_and_refusals() {
+        let w = workload(wl()).unwrap();
+        assert_eq!(w.service_account, "default");
+        assert_eq!(
+            w.identity("cluster.local").to_string(),
+            "spiffe://cluster.local/ns/ns/sa/default"
+        );
+        assert_eq!(w.protocol, Protocol::Hbone);
+        for (f, want) in [
+            (
+                Box::new(|w: &mut pb::Workload| w.addresses = vec![vec![1, 2, 3]])
+                    as Box<dyn Fn(&mut pb::Workload)>,
+                "3 bytes",
+            ),
+            (Box::new(|w: &mut pb::Workload| w.tunnel_protocol = 7), "tunnel_protocol 7"),
+            (Box::new(|w: &mut pb::Workload| w.status = 9), "status 9"),
+            (Box::new(|w: &mut pb::Workload| w.uid.clear()), "no uid"),
+        ] {
+            let mut w = wl();
+            f(&mut w);
+            let e = workload(w).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+        let e = address(b"\xff\xff\xff").unwrap_err();
+        assert!(e.contains("malformed"), "{e}");
+        let p = pb_sec::Authorization {
+            name: "p".into(),
+            namespace: "n".into(),
+            action: 5,
+            ..Default::default()
+        };
+        let e = authorization(&p.encode_to_vec()).unwrap_err();
+        assert!(e.contains("unknown action 5"), "{e}");
+        let bad_cidr = pb_sec::Authorization {
+            name: "p".into(),
+            namespace: "n".into(),
+            rules: vec![pb_sec::Rule {
+                clauses: vec![pb_sec::Clause {
+                    matches: vec![pb_sec::Match {
+                        source_ips: vec![pb_sec::Address {
+                            address: vec![10, 0, 0, 0],
+                            length: 33,
+                        }],
+                        ..Default::default()
+                    }],
+                }],
+            }],
+            ..Default::default()
+        };
+        let e = authorization(&bad_cidr.encode_to_vec()).unwrap_err();
+        assert!(e.contains("33"), "{e}");
+    }
+}

@@ -1,0 +1,407 @@
+//! Delta xDS client for istiod: one aggregated stream carrying Istio's two node-proxy types
+//! (`istio.workload.Address`, `istio.security.Authorization`) with wildcard subscriptions,
+//! applied to the mesh-state store as they arrive. Each response is ACKed, or NACKed with a
+//! message naming each refused resource — the good resources of the same response still apply.
+//! On a broken stream the proxy keeps serving the state it holds and reconnects with jittered
+//! backoff, telling the server which versions it holds (`initial_resource_versions`).
+#![forbid(unsafe_code)]
+
+pub mod convert;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+
+pub use convert::{ADDRESS_TYPE, AUTHORIZATION_TYPE};
+
+use crate::grpc::Endpoints;
+use crate::proto::discovery::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
+use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Node, Status};
+use crate::state::{Delta, Family as StateFamily, Store};
+
+/// Reconnect backoff: doubling from the first to the last, with jitter.
+pub const BACKOFF_FIRST: Duration = Duration::from_millis(20);
+pub const BACKOFF_MAX: Duration = Duration::from_secs(15);
+
+/// Who this proxy is, for the first request of each type.
+#[derive(Clone, Debug, Default)]
+pub struct NodeInfo {
+    pub pod_name: String,
+    pub pod_namespace: String,
+    pub instance_ip: String,
+    pub node_name: String,
+    pub cluster_id: String,
+}
+
+impl NodeInfo {
+    /// The node in ztunnel's shape: `ztunnel~<ip>~<pod>.<ns>~<ns>.svc.cluster.local`.
+    pub fn node(&self) -> Node {
+        let s = |v: &str| prost_types::Value {
+            kind: Some(prost_types::value::Kind::StringValue(v.to_string())),
+        };
+        let fields: BTreeMap<String, prost_types::Value> = [
+            ("NAME", s(&self.pod_name)),
+            ("NAMESPACE", s(&self.pod_namespace)),
+            ("INSTANCE_IPS", s(&self.instance_ip)),
+            ("NODE_NAME", s(&self.node_name)),
+            ("CLUSTER_ID", s(&self.cluster_id)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        Node {
+            id: format!(
+                "ztunnel~{}~{}.{}~{}.svc.cluster.local",
+                self.instance_ip, self.pod_name, self.pod_namespace, self.pod_namespace
+            ),
+            cluster: self.cluster_id.clone(),
+            metadata: Some(prost_types::Struct { fields }),
+            user_agent_name: "mbtunnel".into(),
+            user_agent_version: env!("CARGO_PKG_VERSION").into(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MessageLabels {
+    pub type_url: &'static str,
+    /// `ack` or `nack`.
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResourceLabels {
+    /// `workload`, `service` or `authorization`.
+    pub r#type: &'static str,
+}
+
+/// xDS metrics.
+#[derive(Clone, Default)]
+pub struct XdsMetrics {
+    /// 1 while a stream is open.
+    pub connection_state: Gauge,
+    pub messages: Family<MessageLabels, Counter>,
+    pub resources: Family<ResourceLabels, Gauge>,
+    pub reconnects: Counter,
+}
+
+impl XdsMetrics {
+    pub fn register(registry: &mut Registry) -> XdsMetrics {
+        let m = XdsMetrics::default();
+        let r = registry.sub_registry_with_prefix("mbtunnel_xds");
+        r.register(
+            "connection_state",
+            "1 while the xDS stream to the control plane is open, 0 otherwise",
+            m.connection_state.clone(),
+        );
+        r.register(
+            "messages",
+            "xDS responses received, by type and ack or nack",
+            m.messages.clone(),
+        );
+        r.register("resources", "Resources held from xDS, by type", m.resources.clone());
+        r.register("reconnects", "xDS streams opened after the first", m.reconnects.clone());
+        m
+    }
+}
+
+/// Per-type bookkeeping, also shown in the config dump.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct TypeStatus {
+    pub last_nonce: String,
+    pub system_version_info: String,
+    pub responses: u64,
+    pub nacks: u64,
+    pub last_nack: Option<String>,
+    /// Resource name → version, as held (what a reconnect announces).
+    #[serde(skip)]
+    pub versions: HashMap<String, String>,
+}
+
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct ClientStatus {
+    pub address: String,
+    pub connected: bool,
+    pub streams_opened: u64,
+    pub last_error: Option<String>,
+    pub types: BTreeMap<&'static str, TypeStatus>,
+}
+
+/// The xDS client.
+pub struct Client {
+    endpoints: Endpoints,
+    node: NodeInfo,
+    store: Arc<Store>,
+    metrics: XdsMetrics,
+    status: Mutex<ClientStatus>,
+    ready: watch::Sender<bool>,
+}
+
+const TYPES: [&str; 2] = [ADDRESS_TYPE, AUTHORIZATION_TYPE];
+
+fn family_of(type_url: &str) -> Option<StateFamily> {
+    match type_url {
+        ADDRESS_TYPE => Some(StateFamily::Address),
+        AUTHORIZATION_TYPE => Some(StateFamily::Policy),
+        _ => None,
+    }
+}
+
+impl Client {
+    pub fn new(
+        endpoints: Endpoints,
+        node: NodeInfo,
+        store: Arc<Store>,
+        metrics: XdsMetrics,
+    ) -> Client {
+        let status = ClientStatus {
+            address: endpoints.address.clone(),
+            types: TYPES.iter().map(|t| (*t, TypeStatus::default())).collect(),
+            ..Default::default()
+        };
+        Client {
+            endpoints,
+            node,
+            store,
+            metrics,
+            status: Mutex::new(status),
+            ready: watch::channel(false).0,
+        }
+    }
+
+    /// True once one response of each type has been applied (and stays true).
+    pub fn ready(&self) -> watch::Receiver<bool> {
+        self.ready.subscribe()
+    }
+
+    pub fn status(&self) -> ClientStatus {
+        self.status.lock().unwrap().clone()
+    }
+
+    /// Runs the stream forever, reconnecting.
+    pub async fn run(self: Arc<Self>) {
+        let channel = match self.endpoints.channel() {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, "xDS: cannot set up the control-plane channel");
+                return;
+            }
+        };
+        let mut backoff = BACKOFF_FIRST;
+        let mut first = true;
+        loop {
+            if !first {
+                self.metrics.reconnects.inc();
+            }
+            first = false;
+            let (got_response, err) = self.stream_once(channel.clone()).await;
+            self.metrics.connection_state.set(0);
+            self.status.lock().unwrap().connected = false;
+            if got_response {
+                backoff = BACKOFF_FIRST;
+            }
+            let Some(err) = err else {
+                tracing::info!(address = %self.endpoints.address, "xDS: the server ended the stream; reopening");
+                continue;
+            };
+            self.status.lock().unwrap().last_error = Some(err.clone());
+            let mut b = [0u8; 2];
+            let _ = boring::rand::rand_bytes(&mut b);
+            let wait = backoff.mul_f64(0.5 + u16::from_le_bytes(b) as f64 / 65535.0 / 2.0 + 0.25);
+            tracing::warn!(address = %self.endpoints.address, error = %err, retry_in_ms = wait.as_millis() as u64,
+                "xDS: stream failed; serving the last state held and retrying");
+            tokio::time::sleep(wait).await;
+            backoff = (backoff * 2).min(BACKOFF_MAX);
+        }
+    }
+
+    fn initial_requests(&self) -> Vec<DeltaDiscoveryRequest> {
+        let status = self.status.lock().unwrap();
+        TYPES
+            .iter()
+            .map(|t| DeltaDiscoveryRequest {
+                node: Some(self.node.node()),
+                type_url: t.to_string(),
+                initial_resource_versions: status.types[t]
+                    .versions
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    /// One stream: returns whether any response arrived, and the error that ended it (`None`:
+    /// the server closed it cleanly).
+    async fn stream_once(&self, channel: tonic::transport::Channel) -> (bool, Option<String>) {
+        let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(16);
+        for r in self.initial_requests() {
+            let _ = tx.send(r).await;
+        }
+        let mut req = tonic::Request::new(ReceiverStream::new(rx));
+        if let Err(e) = self.endpoints.decorate(req.metadata_mut()) {
+            return (false, Some(e));
+        }
+        let mut client = AggregatedDiscoveryServiceClient::new(channel)
+            .max_decoding_message_size(64 * 1024 * 1024);
+        let mut stream = match client.delta_aggregated_resources(req).await {
+            Ok(r) => r.into_inner(),
+            Err(s) => return (false, Some(status_text(&s))),
+        };
+        {
+            let mut st = self.status.lock().unwrap();
+            st.connected = true;
+            st.streams_opened += 1;
+            st.last_error = None;
+        }
+        self.metrics.connection_state.set(1);
+        tracing::info!(address = %self.endpoints.address, "xDS: stream open");
+        let mut got = false;
+        loop {
+            match stream.message().await {
+                Ok(Some(resp)) => {
+                    got = true;
+                    let reply = self.handle(resp);
+                    if tx.send(reply).await.is_err() {
+                        return (got, Some("request stream closed".into()));
+                    }
+                }
+                Ok(None) => return (got, None),
+                Err(s) => return (got, Some(status_text(&s))),
+            }
+        }
+    }
+
+    /// Applies one response and returns its ACK or NACK.
+    pub fn handle(&self, resp: DeltaDiscoveryResponse) -> DeltaDiscoveryRequest {
+        let type_url = resp.type_url.clone();
+        let Some(family) = family_of(&type_url) else {
+            tracing::warn!(type_url = %type_url, "xDS: response of a type this proxy never asked for");
+            return DeltaDiscoveryRequest {
+                type_url,
+                response_nonce: resp.nonce,
+                error_detail: Some(Status {
+                    code: 0,
+                    message: "unsupported type".into(),
+                    details: vec![],
+                }),
+                ..Default::default()
+            };
+        };
+        let mut errors = Vec::new();
+        let mut delta = Delta::default();
+        let mut versions = Vec::new();
+        let mut refused = Vec::new();
+        for r in resp.resources {
+            let decoded = match &r.resource {
+                None => Err("resource has no payload".to_string()),
+                Some(any) if any.type_url != type_url => {
+                    Err(format!("payload of type {} in a {type_url} response", any.type_url))
+                }
+                Some(any) if family == StateFamily::Address => convert::address(&any.value),
+                Some(any) => convert::authorization(&any.value),
+            };
+            match decoded {
+                Ok(res) => {
+                    // The name istiod uses is the key; a payload that names itself otherwise is
+                    // still stored under its own key, so removals must use that key.
+                    if res.name() != r.name && !r.name.is_empty() {
+                        tracing::debug!(resource = %r.name, key = %res.name(), "xDS: resource name differs from its key");
+                    }
+                    versions.push((res.name(), r.version.clone()));
+                    delta.upserts.push(res);
+                }
+                Err(e) => {
+                    tracing::warn!(type_url = %type_url, resource = %r.name, error = %e, "xDS: resource refused");
+                    refused.push(r.name.clone());
+                    errors.push(format!("{}: {e}", r.name));
+                }
+            }
+        }
+        for name in &resp.removed_resources {
+            delta.removes.push((family, name.clone()));
+        }
+        // A refused resource must not stay half-applied under its old content either: drop it.
+        for name in &refused {
+            delta.removes.push((family, name.clone()));
+        }
+        let (n_up, n_rm) = (delta.upserts.len(), delta.removes.len());
+        self.store.apply(delta);
+        let nack = !errors.is_empty();
+        {
+            let mut st = self.status.lock().unwrap();
+            let ts = st
+                .types
+                .entry(if family == StateFamily::Address {
+                    ADDRESS_TYPE
+                } else {
+                    AUTHORIZATION_TYPE
+                })
+                .or_default();
+            ts.last_nonce = resp.nonce.clone();
+            ts.system_version_info = resp.system_version_info.clone();
+            ts.responses += 1;
+            for (n, v) in versions {
+                ts.versions.insert(n, v);
+            }
+            for n in resp.removed_resources.iter().chain(&refused) {
+                ts.versions.remove(n);
+            }
+            if nack {
+                ts.nacks += 1;
+                ts.last_nack = Some(errors.join("; "));
+            }
+            if !*self.ready.borrow() && st.types.values().all(|t| t.responses > 0) {
+                self.ready.send_replace(true);
+                tracing::info!("xDS: first response of each type applied");
+            }
+        }
+        let counts = self.store.counts();
+        for (t, n) in [
+            ("workload", counts.workloads),
+            ("service", counts.services),
+            ("authorization", counts.policies),
+        ] {
+            self.metrics.resources.get_or_create(&ResourceLabels { r#type: t }).set(n as i64);
+        }
+        let type_label =
+            if family == StateFamily::Address { ADDRESS_TYPE } else { AUTHORIZATION_TYPE };
+        self.metrics
+            .messages
+            .get_or_create(&MessageLabels {
+                type_url: type_label,
+                result: if nack { "nack" } else { "ack" },
+            })
+            .inc();
+        tracing::debug!(type_url = %type_url, nonce = %resp.nonce, upserts = n_up, removes = n_rm, nack, "xDS: response applied");
+        DeltaDiscoveryRequest {
+            type_url,
+            response_nonce: resp.nonce,
+            error_detail: nack.then(|| Status {
+                code: 0,
+                message: errors.join("; "),
+                details: vec![],
+            }),
+            ..Default::default()
+        }
+    }
+}
+
+fn status_text(s: &tonic::Status) -> String {
+    match s.code() {
+        tonic::Code::Unauthenticated => format!(
+            "the control plane refused our token (Unauthenticated): {}; check the token file and its audience",
+            s.message()
+        ),
+        c => format!("{c}: {}", s.message()),
+    }
+}

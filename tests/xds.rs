@@ -1,0 +1,288 @@
+//! Two node proxies configured only with a control-plane address, token and root (no workload
+//! file, no CA key) against a control plane of our own (tests/common/cp.rs): workloads pushed
+//! live, NACK of a malformed resource, readiness after both types, CA outage and renewal under
+//! traffic, a control-plane restart with `initial_resource_versions`, and a refused token.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::cp::{self, ControlPlane, Seen};
+use common::{ip, metric, pattern, start_echo, wait_for};
+use mbtunnel::app::Running;
+use mbtunnel::config::{env, Config};
+use mbtunnel::identity::Identity;
+use mbtunnel::xds::{ADDRESS_TYPE, AUTHORIZATION_TYPE};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+/// A node proxy's settings as a DaemonSet gives them: listener addresses plus the control plane's
+/// environment. `ca_dir` points at a directory that must never be created.
+fn node_config(
+    net: u8,
+    node: &str,
+    cp: &ControlPlane,
+    token: &str,
+    never: &std::path::Path,
+) -> Config {
+    let me = if node == "node-a" { 2 } else { 3 };
+    let mut c = Config {
+        outbound_addr: if node == "node-a" {
+            SocketAddr::new(ip(net, 50), 8080)
+        } else {
+            SocketAddr::new(ip(net, 3), 15001)
+        },
+        ca_dir: never.to_path_buf(),
+        ..Config::default()
+    };
+    for (field, port) in [
+        (&mut c.inbound_addr, 15008),
+        (&mut c.inbound_plaintext_addr, 15006),
+        (&mut c.metrics_addr, 15020),
+        (&mut c.readiness_addr, 15021),
+        (&mut c.admin_addr, 15000),
+    ] {
+        *field = SocketAddr::new(ip(net, me), port);
+    }
+    let root = cp.root_pem.clone();
+    let url = cp.url();
+    c.apply_env(|k| match k {
+        env::XDS_ADDRESS => Some(url.clone()),
+        env::XDS_ROOT_CA => Some(root.clone()),
+        env::CA_ROOT_CA => Some(root.clone()),
+        env::AUTH_TOKEN => Some(format!("{token}\n")),
+        env::NODE_NAME => Some(node.to_string()),
+        env::POD_NAME => Some(format!("mbtunnel-{node}")),
+        env::POD_NAMESPACE => Some("istio-system".into()),
+        env::INSTANCE_IP => Some(ip(net, me).to_string()),
+        _ => None,
+    })
+    .unwrap();
+    c
+}
+
+async fn from(net: u8, host: u8) -> TcpStream {
+    let s = TcpSocket::new_v4().unwrap();
+    s.bind(SocketAddr::new(ip(net, host), 0)).unwrap();
+    s.connect(SocketAddr::new(ip(net, 50), 8080)).await.expect("connect to VIP")
+}
+
+/// One echo round trip from `host` through A; true when the bytes came back, false when the
+/// connection was refused or cut.
+async fn echo_ok(net: u8, host: u8) -> bool {
+    let data = pattern(4096, host as u32);
+    let s = from(net, host).await;
+    let (mut r, mut w) = s.into_split();
+    let sent = data.clone();
+    let writer = tokio::spawn(async move {
+        let _ = w.write_all(&sent).await;
+        let _ = w.shutdown().await;
+    });
+    let mut back = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), r.read_to_end(&mut back)).await;
+    let _ = writer.await;
+    matches!(read, Ok(Ok(_))) && back == data
+}
+
+fn id(sa: &str) -> Identity {
+    format!("spiffe://cluster.local/ns/demo/sa/{sa}").parse().unwrap()
+}
+
+fn count(cp: &ControlPlane, f: impl Fn(&Seen) -> bool) -> usize {
+    cp.seen().iter().filter(|s| f(s)).count()
+}
+
+async fn wait_ready(r: &Running) -> bool {
+    r.wait_ready(Duration::from_secs(20)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_proxies_from_the_control_plane_alone() {
+    let net = 41;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("xds-never-ca");
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[("demo/echo.demo.svc.cluster.local", 8080)],
+            ),
+            cp::service("echo", ip(net, 50), 8080),
+        ],
+    );
+    let echo_peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    // Readiness waits for both types: the policies are held back at first.
+    cp.shared.hold_policies.store(true, std::sync::atomic::Ordering::SeqCst);
+    let b = mbtunnel::app::start(node_config(net, "node-b", &cp, cp::TOKEN, &never), None)
+        .await
+        .expect("start B");
+    let a = mbtunnel::app::start(node_config(net, "node-a", &cp, cp::TOKEN, &never), None)
+        .await
+        .expect("start A");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!a.is_ready() && !b.is_ready(), "ready before the Authorization type arrived");
+    assert!(
+        count(&cp, |s| matches!(s, Seen::Initial { has_node: true, .. })) >= 4,
+        "{:?}",
+        cp.seen()
+    );
+    cp.release_policies();
+    assert!(wait_ready(&a).await && wait_ready(&b).await, "not ready: {:?}", cp.seen());
+    assert!(!never.exists(), "the proxy must not create or use a CA directory");
+
+    // Traffic over HBONE with certificates from the control plane's CA (leaf + intermediate).
+    assert!(echo_ok(net, 2).await, "client → echo through A and B");
+    assert_eq!(
+        echo_peers.lock().unwrap().last().unwrap().ip(),
+        ip(net, 2),
+        "the app sees the client pod"
+    );
+    let echo_cert = b.store.current(&id("echo")).expect("B holds echo's certificate");
+    assert_eq!(echo_cert.chain_der.len(), 1, "the intermediate is kept and served");
+    assert!(!b.store.source().holds_ca_key());
+    assert!(
+        count(
+            &cp,
+            |s| matches!(s, Seen::Csr { san, impersonated } if san == impersonated && san.ends_with("/sa/echo"))
+        ) >= 1
+    );
+    let bm = b.metrics_text();
+    assert!(
+        metric(
+            &bm,
+            "istio_tcp_connections_opened_total",
+            &["spiffe://cluster.local/ns/demo/sa/client"]
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "{bm}"
+    );
+
+    // A new pod on node A, pushed live: its identity gets a certificate and its traffic flows.
+    assert!(!echo_ok(net, 6).await, "an unknown source is refused");
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![cp::workload("c2", "client2", "client2", ip(net, 6), "node-a", &[])],
+    );
+    assert!(
+        wait_for(|| a.store.current(&id("client2")).is_some()).await,
+        "no certificate for the new pod"
+    );
+    assert!(echo_ok(net, 6).await, "new pod reachable");
+    let bm = b.metrics_text();
+    assert!(
+        metric(&bm, "istio_tcp_connections_opened_total", &["sa/client2"]).unwrap_or(0.0) >= 1.0,
+        "{bm}"
+    );
+    // ... and removed: refused again, its certificate forgotten.
+    cp.remove(ADDRESS_TYPE, &["c2"], true);
+    assert!(
+        wait_for(|| a.store.current(&id("client2")).is_none()).await,
+        "certificate kept after removal"
+    );
+    assert!(!echo_ok(net, 6).await, "a removed pod is not served");
+
+    // NACK: a malformed resource (a 3-byte IP) beside a good one; the good one applies.
+    let (_, mut bad) = cp::workload("bad", "bad", "bad", ip(net, 9), "node-a", &[]);
+    {
+        use prost::Message;
+        let mut a = mbtunnel::proto::workload::Address::decode(&bad[..]).unwrap();
+        if let Some(mbtunnel::proto::workload::address::Type::Workload(w)) = &mut a.r#type {
+            w.addresses = vec![vec![10, 0, 0]];
+        }
+        bad = a.encode_to_vec();
+    }
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            ("bad".into(), bad),
+            cp::workload("c3", "client3", "client3", ip(net, 7), "node-a", &[]),
+        ],
+    );
+    assert!(wait_for(|| count(&cp, |s| matches!(s, Seen::Nack { message, .. } if message.contains("bad:") && message.contains("3 bytes"))) > 0).await, "{:?}", cp.seen());
+    assert!(
+        wait_for(|| a.ctx.state.workload_by_uid("c3").is_some()).await,
+        "the good resource of a NACKed response applies"
+    );
+    assert!(a.ctx.state.workload_by_uid("bad").is_none());
+    let am = a.metrics_text();
+    assert!(metric(&am, "mbtunnel_xds_messages_total", &["nack"]).unwrap_or(0.0) >= 1.0, "{am}");
+    assert_eq!(metric(&am, "mbtunnel_xds_connection_state", &[]), Some(1.0), "{am}");
+
+    // CA outage: renewal fails, traffic keeps flowing on the current certificate; then renewal
+    // through the CA under traffic, on a long-lived connection.
+    let long = from(net, 2).await;
+    let (mut r, mut w) = long.into_split();
+    cp.shared.ca_down.store(true, std::sync::atomic::Ordering::SeqCst);
+    let before = a.store.current(&id("client")).unwrap().serial.clone();
+    assert!(a.store.renew(&id("client")).await.is_err(), "renewal must fail while the CA is down");
+    assert_eq!(a.store.current(&id("client")).unwrap().serial, before, "current certificate kept");
+    assert!(echo_ok(net, 2).await, "traffic continues through a CA outage");
+    cp.shared.ca_down.store(false, std::sync::atomic::Ordering::SeqCst);
+    let after =
+        a.store.renew(&id("client")).await.expect("renewal after the outage").serial.clone();
+    assert_ne!(before, after);
+    w.write_all(b"still-here").await.unwrap();
+    let mut buf = [0u8; 10];
+    r.read_exact(&mut buf).await.unwrap();
+    assert_eq!(&buf, b"still-here", "a live connection survives the renewal");
+    drop((r, w));
+
+    // Control-plane restart: the stream breaks, the proxies keep serving; a workload removed
+    // meanwhile is removed on reconnect thanks to initial_resource_versions.
+    let streams_before = a.xds.as_ref().unwrap().status().streams_opened;
+    cp.set_down(true);
+    assert!(wait_for(|| !a.xds.as_ref().unwrap().status().connected).await);
+    cp.remove(ADDRESS_TYPE, &["c3"], false);
+    assert!(echo_ok(net, 2).await, "traffic continues while the control plane is down");
+    assert!(a.is_ready(), "readiness holds through a control-plane outage");
+    cp.set_down(false);
+    for _ in 0..200 {
+        if a.xds.as_ref().unwrap().status().streams_opened > streams_before
+            && a.ctx.state.workload_by_uid("c3").is_none()
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(a.ctx.state.workload_by_uid("c3").is_none(), "removal during the outage not applied");
+    assert!(cp.seen().iter().any(|s| matches!(s, Seen::Initial { type_url, versions, .. }
+        if type_url == ADDRESS_TYPE && versions.contains_key("c3") && versions.contains_key("e1") && !versions.contains_key("bad"))),
+        "reconnect did not announce the versions held: {:?}", cp.seen());
+    assert!(echo_ok(net, 2).await, "traffic after the control plane returned");
+    let am = a.metrics_text();
+    assert!(metric(&am, "mbtunnel_xds_reconnects_total", &[]).unwrap_or(0.0) >= 1.0, "{am}");
+    assert!(
+        count(&cp, |s| matches!(s, Seen::Ack { type_url, .. } if type_url == AUTHORIZATION_TYPE))
+            >= 2
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_token_is_reported_and_never_ready() {
+    let net = 42;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("xds-never-ca2");
+    let a = mbtunnel::app::start(node_config(net, "node-a", &cp, "wrong-token", &never), None)
+        .await
+        .expect("start");
+    assert!(
+        wait_for(|| count(&cp, |s| matches!(s, Seen::Unauthenticated)) >= 2).await,
+        "no retry after Unauthenticated"
+    );
+    assert!(!a.is_ready());
+    let st = a.xds.as_ref().unwrap().status();
+    assert!(st.last_error.as_deref().unwrap_or_default().contains("Unauthenticated"), "{st:?}");
+    let am = a.metrics_text();
+    assert_eq!(metric(&am, "mbtunnel_xds_connection_state", &[]), Some(0.0), "{am}");
+    a.shutdown().await;
+}
