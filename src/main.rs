@@ -27,7 +27,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a node proxy.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the version.
     Version,
     /// Show CPU features, the signer backend that would be chosen, and why.
@@ -99,20 +99,50 @@ struct RunArgs {
     /// [env: MBTUNNEL_EBPF_UPLINKS]
     #[arg(long, value_delimiter = ',')]
     ebpf_uplinks: Vec<String>,
+    /// In-pod mode: pods come from istio-cni over ZDS and their listeners open inside each
+    /// pod's network namespace. [env: INPOD_ENABLED]
+    #[arg(long)]
+    inpod: bool,
     /// istiod's xDS endpoint, e.g. https://istiod.istio-system.svc:15012. Set: workloads,
     /// services and authorization policies come over delta xDS (the file must list none).
-    /// Also read: XDS_ROOT_CA (PEM file or inline PEM that verifies istiod; default
-    /// ./var/run/secrets/istio/root-cert.pem), AUTH_TOKEN or MBTUNNEL_AUTH_TOKEN_FILE (bearer
-    /// token; default file ./var/run/secrets/tokens/istio-token), CLUSTER_ID (default
-    /// Kubernetes), POD_NAME, POD_NAMESPACE, INSTANCE_IP, NODE_NAME, XDS_HEADER_<k>.
-    /// [env: XDS_ADDRESS]
+    /// Extra gRPC metadata: XDS_HEADER_<name>=<value>. [env: XDS_ADDRESS]
     #[arg(long)]
     xds_address: Option<String>,
     /// istiod's CA endpoint (default: the xDS address). Set: certificates are requested with a
-    /// CSR and the proxy holds no CA key. Also read: CA_ROOT_CA, SECRET_TTL (requested lifetime,
-    /// e.g. 24h), CA_HEADER_<k>. [env: CA_ADDRESS]
+    /// CSR and the proxy holds no CA key. Extra gRPC metadata: CA_HEADER_<name>=<value>.
+    /// [env: CA_ADDRESS]
     #[arg(long)]
     ca_address: Option<String>,
+    /// Root certificate(s) that verify istiod's xDS server: a PEM file or inline PEM (default
+    /// ./var/run/secrets/istio/root-cert.pem). [env: XDS_ROOT_CA]
+    #[arg(long)]
+    xds_root_ca: Option<String>,
+    /// Root certificate(s) that verify istiod's CA server (default as --xds-root-ca).
+    /// [env: CA_ROOT_CA]
+    #[arg(long)]
+    ca_root_ca: Option<String>,
+    /// File holding the bearer token sent to istiod, re-read at every call (default
+    /// ./var/run/secrets/tokens/istio-token). A fixed token instead: [env: AUTH_TOKEN].
+    /// [env: MBTUNNEL_AUTH_TOKEN_FILE]
+    #[arg(long)]
+    auth_token_file: Option<PathBuf>,
+    /// Cluster id sent to istiod (default Kubernetes). [env: CLUSTER_ID]
+    #[arg(long)]
+    cluster_id: Option<String>,
+    /// Certificate lifetime requested from the CA, e.g. 24h, 90m, 3600s (default 24h).
+    /// [env: SECRET_TTL]
+    #[arg(long)]
+    secret_ttl: Option<String>,
+    /// This proxy's pod name, namespace and IP, sent to istiod in the xDS node.
+    /// [env: POD_NAME]
+    #[arg(long)]
+    pod_name: Option<String>,
+    /// [env: POD_NAMESPACE]
+    #[arg(long)]
+    pod_namespace: Option<String>,
+    /// [env: INSTANCE_IP]
+    #[arg(long)]
+    instance_ip: Option<std::net::IpAddr>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -423,6 +453,35 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     if let Some(v) = &a.ca_address {
         cfg.ca_address = Some(v.clone());
     }
+    if a.inpod {
+        cfg.inpod_enabled = true;
+    }
+    if let Some(v) = &a.xds_root_ca {
+        cfg.xds_root_ca = v.clone();
+    }
+    if let Some(v) = &a.ca_root_ca {
+        cfg.ca_root_ca = v.clone();
+    }
+    if let Some(v) = &a.auth_token_file {
+        cfg.auth_token_file = v.clone();
+    }
+    if let Some(v) = &a.cluster_id {
+        cfg.cluster_id = v.clone();
+    }
+    if let Some(v) = &a.secret_ttl {
+        cfg.cert_lifetime_secs = mbtunnel::config::parse_duration(v)
+            .map_err(|e| anyhow::anyhow!("--secret-ttl: {e}"))?
+            .as_secs();
+    }
+    if let Some(v) = &a.pod_name {
+        cfg.pod_name = v.clone();
+    }
+    if let Some(v) = &a.pod_namespace {
+        cfg.pod_namespace = v.clone();
+    }
+    if let Some(v) = a.instance_ip {
+        cfg.instance_ip = Some(v);
+    }
     if let Some(v) = &a.node_name {
         cfg.node_name = v.clone();
     }
@@ -594,7 +653,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Redirect(RedirectCmd::Nftables { action, netns }) => {
             rules(Backend::Nftables, action, &netns)
         }
-        Cmd::Run(a) => tokio::runtime::Runtime::new()?.block_on(run(a)),
+        Cmd::Run(a) => tokio::runtime::Runtime::new()?.block_on(run(*a)),
         Cmd::Tool(t) => tokio::runtime::Runtime::new()?.block_on(tool(t)),
     }
 }

@@ -4,11 +4,15 @@
 //!   listener ports.
 //! - `deploy/`: the ConfigMap parses with the proxy's own parser and, started in-process, serves
 //!   the probe and scrape paths the DaemonSet uses; container ports, probes, scrape annotations,
-//!   the termination grace period, the CA mounts and the signer thread env follow the config.
+//!   the termination grace period, the control-plane env and mounts (istiod's root, the
+//!   istio-ca token) and the signer thread env follow the config; the ConfigMap plus the
+//!   DaemonSet's env run against a control plane of our own and become ready.
 //!
 //! Kubernetes schema validation and the env-name check against `mbtunnel run --help` are in
 //! `scripts/validate-deploy.sh` (`make validate-deploy`); here env names are checked against
 //! `mbtunnel::config::env`.
+
+mod common;
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -330,6 +334,17 @@ fn daemonset_env_names_are_the_binarys() {
         env::SIGNER_THREADS,
         env::CPU_LIMIT,
         env::LOG,
+        env::XDS_ADDRESS,
+        env::CA_ADDRESS,
+        env::XDS_ROOT_CA,
+        env::CA_ROOT_CA,
+        env::AUTH_TOKEN_FILE,
+        env::CLUSTER_ID,
+        env::SECRET_TTL,
+        env::POD_NAME,
+        env::POD_NAMESPACE,
+        env::INSTANCE_IP,
+        env::INPOD_ENABLED,
     ];
     let ds = daemonset();
     for e in container(&ds)["env"].as_sequence().unwrap() {
@@ -338,22 +353,52 @@ fn daemonset_env_names_are_the_binarys() {
     }
 }
 
+/// The mount holding a container path.
+fn mount_of<'a>(c: &'a Value, path: &str) -> Option<&'a Value> {
+    c["volumeMounts"]
+        .as_sequence()?
+        .iter()
+        .find(|m| Path::new(path).starts_with(str_of(&m["mountPath"])))
+}
+
+fn volume<'a>(ds: &'a Value, name: &str) -> &'a Value {
+    ds["spec"]["template"]["spec"]["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == name)
+        .unwrap_or_else(|| panic!("volume {name}"))
+}
+
 #[test]
-fn ca_root_files_are_mounted_into_the_config_ca_dir() {
-    use mbtunnel::identity::ca::{ROOT_CERT_FILE, ROOT_KEY_FILE};
-    let cfg = configmap_config();
+fn istiod_mode_mounts_the_root_and_an_istio_ca_token_and_no_ca_key() {
     let ds = daemonset();
-    let mounts = container(&ds)["volumeMounts"].as_sequence().unwrap().clone();
-    let dir = mounts.iter().find(|m| m["name"] == "ca").expect("ca mount");
-    assert_eq!(Path::new(str_of(&dir["mountPath"])), cfg.ca_dir);
-    assert_ne!(dir["readOnly"], true, "the CA directory must be writable (lock file)");
-    for f in [ROOT_CERT_FILE, ROOT_KEY_FILE] {
-        let m = mounts
-            .iter()
-            .find(|m| m["name"] == "ca-root" && m["subPath"] == f)
-            .unwrap_or_else(|| panic!("{f} not mounted from the Secret"));
-        assert_eq!(Path::new(str_of(&m["mountPath"])), cfg.ca_dir.join(f));
+    let c = container(&ds);
+    let literal = |k: &str| env_of(c, k).and_then(|e| e["value"].as_str()).map(String::from);
+    let mut cfg = configmap_config();
+    cfg.apply_env(literal).unwrap();
+    let xds = cfg.xds_address.clone().unwrap();
+    assert!(xds.starts_with("https://istiod.istio-system.svc:15012"), "{xds}");
+    assert!(cfg.inpod_enabled, "pods are captured by istio-cni (in-pod mode)");
+    assert!(cfg.workloads.is_empty() && cfg.services.is_empty(), "the mesh comes from istiod");
+    // The root istiod publishes in every namespace, mounted where XDS_ROOT_CA / CA_ROOT_CA point.
+    for root in [&cfg.xds_root_ca, &cfg.ca_root_ca] {
+        let m = mount_of(c, root).unwrap_or_else(|| panic!("{root} is not mounted"));
+        let v = volume(&ds, str_of(&m["name"]));
+        assert_eq!(v["configMap"]["name"], "istio-ca-root-cert");
+        assert!(root.ends_with("/root-cert.pem"), "{root}: the ConfigMap's key is root-cert.pem");
     }
+    // The token file: a projected service-account token for istiod's CA audience.
+    let tok = cfg.auth_token_file.to_str().unwrap();
+    let m = mount_of(c, tok).unwrap_or_else(|| panic!("{tok} is not mounted"));
+    let v = volume(&ds, str_of(&m["name"]));
+    let src = &v["projected"]["sources"][0]["serviceAccountToken"];
+    assert_eq!(src["audience"], "istio-ca");
+    assert_eq!(Path::new(str_of(&m["mountPath"])).join(str_of(&src["path"])), Path::new(tok));
+    // No CA key: no Secret volume at all, and nothing mounted where a dev CA would look.
+    let vols = ds["spec"]["template"]["spec"]["volumes"].as_sequence().unwrap();
+    assert!(vols.iter().all(|v| v["secret"].is_null()), "a Secret is mounted");
+    assert!(mount_of(c, cfg.ca_dir.to_str().unwrap()).is_none(), "something is mounted at ca_dir");
 }
 
 #[test]
@@ -379,26 +424,36 @@ async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
     (status, buf)
 }
 
-/// The ConfigMap's config, as node-2, on loopback, with a root made by `scripts/make-ca.sh` (what
-/// the README tells operators to put in the Secret): it becomes ready and serves the probe and
-/// scrape paths the DaemonSet uses.
+/// The ConfigMap's config with the DaemonSet's env, as node-2 on loopback, pointed at a control
+/// plane of our own (the token and root written to a temp dir in place of the DaemonSet's
+/// mounts): it becomes ready and serves the probe, scrape and dump paths, with echo's certificate
+/// from the control plane's CA and no CA directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn configmap_config_runs_with_a_make_ca_root() {
+async fn configmap_and_daemonset_env_run_against_a_control_plane() {
+    use common::cp::{self, ControlPlane};
     let dir = std::env::temp_dir().join(format!("mbt-deploy-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let ca = dir.join("ca");
-    let made = Command::new(root().join("scripts/make-ca.sh")).arg(&ca).output();
-    match made {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => {
-            // Without openssl the script cannot run: the proxy then makes its own root.
-            eprintln!("skipping make-ca.sh root: {}", String::from_utf8_lossy(&o.stderr));
-        }
-        Err(e) => eprintln!("skipping make-ca.sh root: {e}"),
-    }
+    std::fs::create_dir_all(&dir).unwrap();
+    let cp = ControlPlane::start().await;
+    cp.upsert(
+        mbtunnel::xds::ADDRESS_TYPE,
+        vec![cp::workload("e1", "echo", "echo", "10.244.2.20".parse().unwrap(), "node-2", &[])],
+    );
+    std::fs::write(dir.join("root-cert.pem"), &cp.root_pem).unwrap();
+    std::fs::write(dir.join("istio-token"), format!("{}\n", cp::TOKEN)).unwrap();
+    let ds = daemonset();
+    let c = container(&ds);
+    let literal = |k: &str| env_of(c, k).and_then(|e| e["value"].as_str()).map(String::from);
     let mut cfg = configmap_config();
+    cfg.apply_env(literal).unwrap();
+    // What the kubelet would provide, redirected to the test's files and control plane.
+    cfg.xds_address = Some(cp.url());
+    cfg.xds_root_ca = dir.join("root-cert.pem").display().to_string();
+    cfg.ca_root_ca = cfg.xds_root_ca.clone();
+    cfg.auth_token_file = dir.join("istio-token");
     cfg.node_name = "node-2".into();
-    cfg.ca_dir = ca.clone();
+    cfg.inpod_enabled = false; // no CNI here
+    cfg.ca_dir = dir.join("never");
     let lo: SocketAddr = "127.0.61.1:0".parse().unwrap();
     cfg.outbound_addr = lo;
     cfg.inbound_addr = lo;
@@ -413,9 +468,13 @@ async fn configmap_config_runs_with_a_make_ca_root() {
     let (code, body) = http_get(running.bound.metrics, "/metrics").await;
     assert_eq!(code, 200, "{body}");
     assert!(body.contains("mbtunnel_signer_backend_info"), "{body}");
+    assert!(body.contains("mbtunnel_xds_connection_state 1"), "{body}");
+    let (code, body) = http_get(running.bound.admin, "/config_dump").await;
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"holds_ca_key\": false") && body.contains("istiod CA"), "{body}");
     let id = "spiffe://cluster.local/ns/demo/sa/echo".parse().unwrap();
-    let cert = running.store.fetch(&id).await.expect("node-2 holds echo's certificate");
-    drop(cert);
+    assert!(running.store.current(&id).is_some(), "node-2 holds echo's certificate");
+    assert!(!dir.join("never").exists(), "no CA directory in istiod mode");
     running.shutdown().await;
     let _ = std::fs::remove_dir_all(&dir);
 }
