@@ -268,18 +268,6 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         move |s, p| proxy::inbound::handle_plaintext(c.clone(), s, p, None),
     )));
 
-    // Certificates for the local workloads as they come and go; ready once all are held.
-    let (certs_ready_tx, certs_ready) = tokio::sync::watch::channel(false);
-    {
-        let tls = ctx.tls.clone();
-        tasks.push(tokio::spawn(crate::identity::manager::run(
-            state.clone(),
-            store.clone(),
-            certs_ready_tx,
-            Arc::new(move |id| tls.forget(id)),
-        )));
-    }
-    tasks.push(tokio::spawn(store.clone().run_renewal()));
     let xds_ready = match &xds {
         Some(x) => {
             tracing::info!(address = %cfg.xds_address.as_deref().unwrap_or_default(),
@@ -294,6 +282,19 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
             tokio::sync::watch::channel(true).1
         }
     };
+    // Certificates for the local workloads as they come and go; ready once all are held.
+    let (certs_ready_tx, certs_ready) = tokio::sync::watch::channel(false);
+    {
+        let tls = ctx.tls.clone();
+        tasks.push(tokio::spawn(crate::identity::manager::run(
+            state.clone(),
+            store.clone(),
+            xds_ready.clone(),
+            certs_ready_tx,
+            Arc::new(move |id| tls.forget(id)),
+        )));
+    }
+    tasks.push(tokio::spawn(store.clone().run_renewal()));
     let zds_ready = Arc::new(AtomicBool::new(!cfg.inpod_enabled));
     let inpod = inpod_metrics.map(|m| Arc::new(InPod::new(ctx.clone(), store.clone(), m)));
     if let Some(pods) = &inpod {

@@ -8,6 +8,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::state::{Service, Workload};
+
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
 pub enum Reporter {
@@ -22,16 +24,162 @@ pub enum SecurityPolicy {
     unknown,
 }
 
-/// Labels of Istio's TCP metrics (the subset mbtunnel knows).
+/// Labels of Istio's TCP metrics: the set ztunnel emits, filled from the mesh state so that
+/// Istio's dashboards and Kiali group the traffic. Unknown values are `unknown`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ConnLabels {
     pub reporter: Reporter,
-    pub source_principal: String,
-    pub destination_principal: String,
     pub source_workload: String,
+    pub source_canonical_service: String,
+    pub source_canonical_revision: String,
+    pub source_workload_namespace: String,
+    pub source_principal: String,
+    pub source_app: String,
+    pub source_version: String,
+    pub source_cluster: String,
+    pub destination_service: String,
+    pub destination_service_namespace: String,
+    pub destination_service_name: String,
     pub destination_workload: String,
-    pub connection_security_policy: SecurityPolicy,
+    pub destination_canonical_service: String,
+    pub destination_canonical_revision: String,
+    pub destination_workload_namespace: String,
+    pub destination_principal: String,
+    pub destination_app: String,
+    pub destination_version: String,
+    pub destination_cluster: String,
+    pub request_protocol: String,
     pub response_flags: String,
+    pub connection_security_policy: SecurityPolicy,
+}
+
+const UNKNOWN: &str = "unknown";
+
+/// What the metric labels say of one side of a connection.
+struct Side {
+    workload: String,
+    canonical_service: String,
+    canonical_revision: String,
+    namespace: String,
+    app: String,
+    version: String,
+    cluster: String,
+}
+
+impl Side {
+    fn of(w: Option<&Workload>) -> Side {
+        let u = || UNKNOWN.to_string();
+        match w {
+            None => Side {
+                workload: u(),
+                canonical_service: u(),
+                canonical_revision: u(),
+                namespace: u(),
+                app: u(),
+                version: u(),
+                cluster: u(),
+            },
+            Some(w) => {
+                // Istio's defaults: the canonical revision is `latest`, the cluster `Kubernetes`.
+                let rev = if w.canonical_revision.is_empty() {
+                    "latest".to_string()
+                } else {
+                    w.canonical_revision.clone()
+                };
+                let cluster = if w.cluster_id.is_empty() {
+                    "Kubernetes".to_string()
+                } else {
+                    w.cluster_id.clone()
+                };
+                Side {
+                    workload: w.workload_or_name().to_string(),
+                    canonical_service: w.canonical_service().to_string(),
+                    canonical_revision: rev.clone(),
+                    namespace: w.namespace.clone(),
+                    app: w.canonical_service().to_string(),
+                    version: rev,
+                    cluster,
+                }
+            }
+        }
+    }
+}
+
+impl ConnLabels {
+    /// Every label `unknown`, protocol `tcp`, no flags.
+    pub fn new(reporter: Reporter, policy: SecurityPolicy) -> ConnLabels {
+        let u = || UNKNOWN.to_string();
+        ConnLabels {
+            reporter,
+            source_workload: u(),
+            source_canonical_service: u(),
+            source_canonical_revision: u(),
+            source_workload_namespace: u(),
+            source_principal: u(),
+            source_app: u(),
+            source_version: u(),
+            source_cluster: u(),
+            destination_service: u(),
+            destination_service_namespace: u(),
+            destination_service_name: u(),
+            destination_workload: u(),
+            destination_canonical_service: u(),
+            destination_canonical_revision: u(),
+            destination_workload_namespace: u(),
+            destination_principal: u(),
+            destination_app: u(),
+            destination_version: u(),
+            destination_cluster: u(),
+            request_protocol: "tcp".into(),
+            response_flags: "-".into(),
+            connection_security_policy: policy,
+        }
+    }
+
+    /// The source: its workload if known, its principal if authenticated (or known locally).
+    pub fn with_source(mut self, w: Option<&Workload>, principal: Option<String>) -> ConnLabels {
+        let s = Side::of(w);
+        self.source_workload = s.workload;
+        self.source_canonical_service = s.canonical_service;
+        self.source_canonical_revision = s.canonical_revision;
+        self.source_workload_namespace = s.namespace;
+        self.source_app = s.app;
+        self.source_version = s.version;
+        self.source_cluster = s.cluster;
+        if let Some(p) = principal {
+            self.source_principal = p;
+        }
+        self
+    }
+
+    pub fn with_destination(
+        mut self,
+        w: Option<&Workload>,
+        principal: Option<String>,
+    ) -> ConnLabels {
+        let s = Side::of(w);
+        self.destination_workload = s.workload;
+        self.destination_canonical_service = s.canonical_service;
+        self.destination_canonical_revision = s.canonical_revision;
+        self.destination_workload_namespace = s.namespace;
+        self.destination_app = s.app;
+        self.destination_version = s.version;
+        self.destination_cluster = s.cluster;
+        if let Some(p) = principal {
+            self.destination_principal = p;
+        }
+        self
+    }
+
+    /// The service the destination was addressed through.
+    pub fn with_service(mut self, s: Option<&Service>) -> ConnLabels {
+        if let Some(s) = s {
+            self.destination_service = s.hostname();
+            self.destination_service_namespace = s.namespace.clone();
+            self.destination_service_name = s.name.clone();
+        }
+        self
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -165,6 +165,21 @@ async fn two_proxies_from_the_control_plane_alone() {
         "{bm}"
     );
 
+    // Istio's labels, filled from the workload and service state as ztunnel fills them.
+    let am = a.metrics_text();
+    let want = [
+        "reporter=\"source\"",
+        "source_workload_namespace=\"demo\"",
+        "source_canonical_service=\"client\"",
+        "source_canonical_revision=\"latest\"",
+        "destination_service=\"echo.demo.svc.cluster.local\"",
+        "destination_service_namespace=\"demo\"",
+        "destination_service_name=\"echo\"",
+        "destination_canonical_service=\"echo\"",
+        "destination_cluster=\"Kubernetes\"",
+        "request_protocol=\"tcp\"",
+    ];
+    assert!(metric(&am, "istio_tcp_connections_opened_total", &want).unwrap_or(0.0) >= 1.0, "{am}");
     // A new pod on node A, pushed live: its identity gets a certificate and its traffic flows.
     assert!(!echo_ok(net, 6).await, "an unknown source is refused");
     cp.upsert(

@@ -18,10 +18,12 @@ const RETRY_FIRST: Duration = Duration::from_millis(200);
 const RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Runs until the returned future is dropped. `ready` turns true the first time every local
-/// identity holds a certificate (and stays true).
+/// identity holds a certificate once the state's source is complete (`source_ready`: the first
+/// xDS responses applied, or the file read), and stays true.
 pub async fn run(
     state: Arc<Store>,
     certs: Arc<CertStore>,
+    mut source_ready: watch::Receiver<bool>,
     ready: watch::Sender<bool>,
     on_forget: Arc<dyn Fn(&Identity) + Send + Sync>,
 ) {
@@ -29,6 +31,7 @@ pub async fn run(
     let inflight: Arc<Mutex<HashSet<Identity>>> = Arc::default();
     let (done_tx, mut done_rx) = watch::channel(0u64);
     let done_tx = Arc::new(done_tx);
+    let mut source_open = true;
     loop {
         let want = state.local_identities();
         for id in certs.identities() {
@@ -63,13 +66,17 @@ pub async fn run(
                 done.send_modify(|n| *n += 1);
             });
         }
-        if !*ready.borrow() && want.iter().all(|id| certs.current(id).is_some()) {
+        if !*ready.borrow()
+            && *source_ready.borrow_and_update()
+            && want.iter().all(|id| certs.current(id).is_some())
+        {
             tracing::info!(certificates = want.len(), "certificates held for every local workload");
             ready.send_replace(true);
         }
         tokio::select! {
             r = changes.changed() => if r.is_err() { return },
             _ = done_rx.changed() => {}
+            r = source_ready.changed(), if source_open => source_open = r.is_ok(),
         }
     }
 }

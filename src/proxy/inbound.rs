@@ -19,7 +19,7 @@ use super::{copy_both, ConnRecord, Ctx};
 use crate::hbone::{parse_connect, server_builder, ConnectRefusal};
 use crate::identity::Identity;
 use crate::inpod::netns::Netns;
-use crate::metrics::{Reporter, SecurityPolicy};
+use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
 use crate::tls::Stream;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -131,22 +131,11 @@ async fn serve_connect(
         Ok(u) => u,
         Err(e) => return refuse(ConnectRefusal::Upstream(target, e.to_string())),
     };
-    let src_wl = ctx
-        .state
-        .workload_by_ip(peer.ip())
-        .map(|w| w.name.clone())
-        .unwrap_or_else(|| "unknown".into());
-    let rec = ConnRecord::open(
-        &ctx,
-        Reporter::destination,
-        peer,
-        target,
-        peer_id.to_string(),
-        ctx.state.identity_of(&dst_wl).to_string(),
-        src_wl,
-        dst_wl.name.clone(),
-        SecurityPolicy::mutual_tls,
-    );
+    let src_wl = ctx.state.workload_by_ip(peer.ip());
+    let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
+        .with_source(src_wl.as_deref(), Some(peer_id.to_string()))
+        .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
+    let rec = ConnRecord::open(&ctx, peer, target, labels);
     let upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(
         async move {
@@ -190,17 +179,11 @@ pub async fn handle_plaintext(
             tracing::warn!("refused: {} is not a workload on this node", dst.ip());
             return;
         };
-        let rec = ConnRecord::open(
-            &ctx,
-            Reporter::destination,
-            peer,
-            dst,
-            "unknown".into(),
-            ctx.state.identity_of(&dst_wl).to_string(),
-            "unknown".into(),
-            dst_wl.name.clone(),
-            SecurityPolicy::unknown,
-        );
+        // No identity: the source workload is only what its address says.
+        let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::unknown)
+            .with_source(ctx.state.workload_by_ip(peer.ip()).as_deref(), None)
+            .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
+        let rec = ConnRecord::open(&ctx, peer, dst, labels);
         let source = ctx.transparent.then_some(peer.ip());
         match dial(dst, DialOpts { mark: ctx.mark, source, netns: netns.as_deref() }).await {
             Ok(mut up) => {

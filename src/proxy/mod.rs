@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 
 use crate::hbone::Pool;
-use crate::metrics::{ConnLabels, Metrics, Reporter, SecurityPolicy};
+use crate::metrics::{ConnLabels, Metrics};
 use crate::state::State;
 use crate::tls::TlsProvider;
 
@@ -110,27 +110,7 @@ pub struct ConnRecord {
 }
 
 impl ConnRecord {
-    #[allow(clippy::too_many_arguments)]
-    pub fn open(
-        ctx: &Ctx,
-        reporter: Reporter,
-        src: SocketAddr,
-        dst: SocketAddr,
-        src_principal: String,
-        dst_principal: String,
-        src_workload: String,
-        dst_workload: String,
-        policy: SecurityPolicy,
-    ) -> ConnRecord {
-        let labels = ConnLabels {
-            reporter,
-            source_principal: src_principal,
-            destination_principal: dst_principal,
-            source_workload: src_workload,
-            destination_workload: dst_workload,
-            connection_security_policy: policy,
-            response_flags: "-".into(),
-        };
+    pub fn open(ctx: &Ctx, src: SocketAddr, dst: SocketAddr, labels: ConnLabels) -> ConnRecord {
         ctx.metrics.opened.get_or_create(&labels).inc();
         ctx.metrics.active_connections.inc();
         ConnRecord {

@@ -13,7 +13,7 @@ use crate::config::Protocol;
 use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey};
 use crate::inpod::netns::Netns;
-use crate::metrics::{Reporter, SecurityPolicy};
+use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -73,20 +73,11 @@ pub async fn handle(
         };
         let Some(upstream) = upstream else {
             // Not a mesh destination: pass through unchanged.
-            let rec = ConnRecord::open(
-                &ctx,
-                Reporter::source,
-                peer,
-                dst,
-                src_wl
-                    .as_ref()
-                    .map(|w| ctx.state.identity_of(w).to_string())
-                    .unwrap_or_else(|| "unknown".into()),
-                "unknown".into(),
-                src_wl.as_ref().map(|w| w.name.clone()).unwrap_or_else(|| "unknown".into()),
-                "unknown".into(),
-                SecurityPolicy::unknown,
+            let labels = ConnLabels::new(Reporter::source, SecurityPolicy::unknown).with_source(
+                src_wl.as_deref(),
+                src_wl.as_ref().map(|w| ctx.state.identity_of(w).to_string()),
             );
+            let rec = ConnRecord::open(&ctx, peer, dst, labels);
             match dial(dst, DialOpts { mark: ctx.mark, source: None, netns: netns.as_deref() })
                 .await
             {
@@ -109,17 +100,11 @@ pub async fn handle(
             Protocol::Hbone => (SecurityPolicy::mutual_tls, upstream.hbone_addr),
             Protocol::Tcp => (SecurityPolicy::unknown, upstream.target),
         };
-        let rec = ConnRecord::open(
-            &ctx,
-            Reporter::source,
-            peer,
-            upstream.target,
-            src_id.to_string(),
-            dst_id.to_string(),
-            src_wl.name.clone(),
-            upstream.workload.name.clone(),
-            policy,
-        );
+        let labels = ConnLabels::new(Reporter::source, policy)
+            .with_source(Some(&src_wl), Some(src_id.to_string()))
+            .with_destination(Some(&upstream.workload), Some(dst_id.to_string()))
+            .with_service(upstream.service.as_deref());
+        let rec = ConnRecord::open(&ctx, peer, upstream.target, labels);
         match upstream.protocol {
             Protocol::Tcp => {
                 match dial(
