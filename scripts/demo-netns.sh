@@ -85,6 +85,7 @@ echo "-- proxy node-1 (reporter=source) --"
 echo "$MA" | grep -E '^istio_tcp_(connections_opened|sent_bytes)_total' || true
 echo "-- proxy node-2 (reporter=destination) --"
 echo "$MB" | grep -E '^istio_tcp_(connections_opened|sent_bytes)_total' || true
-echo "$MB" | grep -q 'reporter="destination",source_principal="spiffe://cluster.local/ns/demo/sa/client".*connection_security_policy="mutual_tls"' || ok=0
+echo "$MB" | grep 'reporter="destination"' | grep 'source_principal="spiffe://cluster.local/ns/demo/sa/client"' \
+  | grep -q 'connection_security_policy="mutual_tls"' || ok=0
 grep -q '"echo_peer":"10.0.1.2:' "$WORK/echo.log" || ok=0
 if [ "$ok" = 1 ]; then echo "DEMO (namespaces) OK"; else echo "DEMO (namespaces) FAILED"; tail -n 30 "$WORK"/*.log; exit 1; fi

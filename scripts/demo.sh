@@ -94,6 +94,9 @@ grep -h 'connection complete' "$WORK/node-b.log" | head -n 1 || true
 echo "-- signer speed on this CPU (IFMA multi-buffer vs BoringSSL single-op, same run) --"
 "$BIN" speed --seconds "${SPEED_SECONDS:-0.3}" || ok=0
 # Check what the metrics prove: mutual TLS on both sides, the client's identity seen by B.
-echo "$MB" | grep -q 'istio_tcp_connections_opened_total{reporter="destination",source_principal="spiffe://cluster.local/ns/demo/sa/client",destination_principal="spiffe://cluster.local/ns/demo/sa/echo".*connection_security_policy="mutual_tls"' || ok=0
+echo "$MB" | grep '^istio_tcp_connections_opened_total{reporter="destination"' \
+  | grep 'source_principal="spiffe://cluster.local/ns/demo/sa/client"' \
+  | grep 'destination_principal="spiffe://cluster.local/ns/demo/sa/echo"' \
+  | grep -q 'connection_security_policy="mutual_tls"' || ok=0
 echo "$MA" | grep -q 'mbtunnel_tls_handshakes_total{side="client",result="success"} [1-9]' || ok=0
 if [ "$ok" = 1 ]; then echo "DEMO OK"; else echo "DEMO FAILED"; tail -n 30 "$WORK"/node-*.log; exit 1; fi

@@ -1,5 +1,6 @@
 //! HTTP endpoints: metrics (:15020 `/metrics`), readiness (:15021 `/healthz/ready`), and the admin
-//! interface (127.0.0.1:15000: `/config_dump`, `/logging?level=...`).
+//! interface (127.0.0.1:15000: `/config_dump`, `/logging?level=...`, `/redirect/ebpf`). Accept
+//! errors (e.g. EMFILE) back off instead of spinning.
 #![forbid(unsafe_code)]
 
 use std::convert::Infallible;
@@ -13,8 +14,15 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-use crate::proxy::Drain;
+use prometheus_client::registry::Registry;
+use serde_json::json;
+
+use crate::config::Config;
+use crate::identity::store::{humantime, CertStore};
+use crate::inpod::InPod;
+use crate::proxy::{Ctx, Drain};
 use crate::redirect::ebpf::{EbpfRedirect, Role};
+use crate::signer::Signer;
 
 pub type Body = Full<Bytes>;
 
@@ -34,7 +42,15 @@ where
         tokio::select! {
             _ = drain.signaled() => return,
             r = listener.accept() => {
-                let Ok((s, _)) = r else { continue };
+                let s = match r {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        // Out of descriptors or memory: retrying at once would spin a core.
+                        tracing::warn!(error = %e, "admin/metrics accept failed; backing off");
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
                 let h = handler.clone();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
@@ -142,4 +158,197 @@ pub fn ebpf_endpoint(
         Ok(m) => text(StatusCode::OK, m),
         Err(err) => text(StatusCode::BAD_REQUEST, format!("{err}\n")),
     }
+}
+
+/// What the admin endpoint shows and changes.
+pub struct AdminState {
+    pub cfg: Arc<Config>,
+    pub store: Arc<CertStore>,
+    pub ctx: Arc<Ctx>,
+    pub signer: Signer,
+    pub inpod: Option<Arc<InPod>>,
+    pub xds: Option<Arc<crate::xds::Client>>,
+    pub ebpf: Option<Arc<EbpfRedirect>>,
+    pub ebpf_token: Option<Arc<String>>,
+    pub log: Option<LogControl>,
+}
+
+/// `:15020/metrics` (also `/stats/prometheus`).
+pub async fn serve_metrics(
+    listener: TcpListener,
+    drain: Drain,
+    registry: Arc<Registry>,
+    ebpf: Option<Arc<EbpfRedirect>>,
+) {
+    serve(listener, drain, move |req| {
+        let (reg, ebpf) = (registry.clone(), ebpf.clone());
+        async move {
+            match req.uri().path() {
+                "/metrics" | "/stats/prometheus" => {
+                    if let Some(e) = &ebpf {
+                        e.refresh_metrics();
+                    }
+                    let mut s = String::new();
+                    match prometheus_client::encoding::text::encode(&mut s, &reg) {
+                        Ok(()) => with_type(
+                            text(StatusCode::OK, s),
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        ),
+                        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+                    }
+                }
+                _ => text(StatusCode::NOT_FOUND, "try /metrics\n"),
+            }
+        }
+    })
+    .await
+}
+
+/// `:15021/healthz/ready`: 200 while `ready()` holds, 503 otherwise.
+pub async fn serve_readiness(
+    listener: TcpListener,
+    drain: Drain,
+    ready: Arc<dyn Fn() -> bool + Send + Sync>,
+) {
+    serve(listener, drain, move |req| {
+        let ready = ready();
+        async move {
+            match req.uri().path() {
+                "/healthz/ready" if ready => text(StatusCode::OK, "ready\n"),
+                "/healthz/ready" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+                _ => text(StatusCode::NOT_FOUND, "try /healthz/ready\n"),
+            }
+        }
+    })
+    .await
+}
+
+fn with_type(mut r: Response<Body>, content_type: &'static str) -> Response<Body> {
+    r.headers_mut()
+        .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static(content_type));
+    r
+}
+
+/// `127.0.0.1:15000`: `/config_dump`, `/logging?level=...`, `/redirect/ebpf...`.
+pub async fn serve_admin(listener: TcpListener, drain: Drain, st: Arc<AdminState>) {
+    serve(listener, drain, move |req| {
+        let st = st.clone();
+        async move {
+            let path = req.uri().path();
+            if path == "/redirect/ebpf" || path.starts_with("/redirect/ebpf/") {
+                // Attaching runs netlink and bpf syscalls: off the async workers.
+                let (method, path, query) =
+                    (req.method().clone(), path.to_string(), req.uri().query().map(String::from));
+                let presented = req
+                    .headers()
+                    .get(crate::redirect::ebpf::TOKEN_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(String::from);
+                return tokio::task::spawn_blocking(move || {
+                    ebpf_endpoint(
+                        st.ebpf.as_deref(),
+                        &method,
+                        &path,
+                        query.as_deref(),
+                        presented.as_deref(),
+                        st.ebpf_token.as_deref().map(String::as_str),
+                    )
+                })
+                .await
+                .unwrap_or_else(|e| text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
+            }
+            match path {
+                "/config_dump" => with_type(
+                    text(
+                        StatusCode::OK,
+                        serde_json::to_string_pretty(&config_dump(&st)).unwrap_or_default(),
+                    ),
+                    "application/json",
+                ),
+                "/logging" => match (level_param(req.uri().query()), &st.log) {
+                    (Some(level), Some(ctl)) => match ctl(&level) {
+                        Ok(()) => {
+                            tracing::info!(%level, "log level changed");
+                            text(StatusCode::OK, format!("log level set to {level}\n"))
+                        }
+                        Err(e) => {
+                            text(StatusCode::BAD_REQUEST, format!("invalid level '{level}': {e}\n"))
+                        }
+                    },
+                    (None, _) => text(
+                        StatusCode::BAD_REQUEST,
+                        "usage: /logging?level=<filter, e.g. debug or mbtunnel=trace>\n",
+                    ),
+                    (_, None) => {
+                        text(StatusCode::NOT_IMPLEMENTED, "log level control not available\n")
+                    }
+                },
+                _ => text(
+                    StatusCode::NOT_FOUND,
+                    "endpoints: /config_dump /logging?level=... /redirect/ebpf\n",
+                ),
+            }
+        }
+    })
+    .await
+}
+
+/// Everything `/config_dump` shows: settings, mesh state, xDS, certificates, signer, redirect.
+pub fn config_dump(st: &AdminState) -> serde_json::Value {
+    let (cfg, store, ctx) = (&st.cfg, &st.store, &st.ctx);
+    let b = crate::mb::backend_choice();
+    let snapshot = store.snapshot();
+    let certs: Vec<_> = snapshot
+        .iter()
+        .map(|c| {
+            json!({
+                "identity": c.identity.to_string(),
+                "serial": c.serial,
+                "algorithm": c.algorithm,
+                "not_before": humantime(c.not_before),
+                "not_after": humantime(c.not_after),
+                "issued_at": humantime(c.issued_at),
+                "renew_at": humantime(c.refresh_at()),
+                "intermediates": c.chain_der.len(),
+            })
+        })
+        .collect();
+    let roots: Vec<String> = snapshot
+        .first()
+        .map(|b| {
+            b.roots_der
+                .iter()
+                .filter_map(|d| boring::x509::X509::from_der(d).ok()?.to_pem().ok())
+                .filter_map(|p| String::from_utf8(p).ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut v = json!({
+        "config": **cfg,
+        "local_workloads": ctx.state.local_workloads().iter().map(|w| w.uid.clone()).collect::<Vec<_>>(),
+        "state": ctx.state.dump(),
+        "certificate_source": store.source().describe(),
+        "holds_ca_key": store.source().holds_ca_key(),
+        "certificates": certs,
+        "root_certificates": roots,
+        "signer": {
+            "backend": b.backend.to_string(),
+            "cpu_features": b.features.to_string(),
+            "reason": b.reason,
+            "state": st.signer.dump(),
+        },
+        "hbone_pool_connections": ctx.pool.len(),
+        "active_connections": ctx.drain.active(),
+        "draining": ctx.drain.is_draining(),
+    });
+    if let Some(p) = &st.inpod {
+        v["inpod_pods"] = json!(p.uids());
+    }
+    if let Some(e) = &st.ebpf {
+        v["redirect"] = e.status();
+    }
+    if let Some(x) = &st.xds {
+        v["xds"] = json!(x.status());
+    }
+    v
 }

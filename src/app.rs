@@ -7,18 +7,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use http::StatusCode;
 use prometheus_client::registry::Registry;
-use serde_json::json;
 
-use crate::admin::{self, text, LogControl};
+use crate::admin::{self, LogControl};
 use crate::config::Config;
 use crate::grpc::{Endpoints, TokenSource};
 use crate::hbone::Pool;
 use crate::identity::ca::DevCa;
 use crate::identity::istio::IstioCa;
 use crate::identity::source::{CertSource, DevCaSource};
-use crate::identity::store::{humantime, CertStore};
+use crate::identity::store::CertStore;
 use crate::inpod::InPod;
 use crate::metrics::Metrics;
 use crate::proxy::{self, socket, Ctx, Drain};
@@ -307,136 +305,34 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         )));
     }
 
-    let reg = registry.clone();
-    let scrape_ebpf = ebpf.clone();
-    tasks.push(tokio::spawn(admin::serve(metrics_l, drain.clone(), move |req| {
-        let reg = reg.clone();
-        let ebpf = scrape_ebpf.clone();
-        async move {
-            match req.uri().path() {
-                "/metrics" | "/stats/prometheus" => {
-                    if let Some(e) = &ebpf {
-                        e.refresh_metrics();
-                    }
-                    let mut s = String::new();
-                    match prometheus_client::encoding::text::encode(&mut s, &reg) {
-                        Ok(()) => {
-                            let mut r = text(StatusCode::OK, s);
-                            r.headers_mut().insert(
-                                http::header::CONTENT_TYPE,
-                                http::HeaderValue::from_static(
-                                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                                ),
-                            );
-                            r
-                        }
-                        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
-                    }
-                }
-                _ => text(StatusCode::NOT_FOUND, "try /metrics\n"),
-            }
-        }
-    })));
+    tasks.push(tokio::spawn(admin::serve_metrics(
+        metrics_l,
+        drain.clone(),
+        registry.clone(),
+        ebpf.clone(),
+    )));
     let (cr, xr) = (certs_ready.clone(), xds_ready.clone());
     let zr = zds_ready.clone();
     let dr = drain.clone();
-    tasks.push(tokio::spawn(admin::serve(ready_l, drain.clone(), move |req| {
-        let ready = *cr.borrow() && *xr.borrow() && zr.load(Ordering::Acquire) && !dr.is_draining();
-        async move {
-            match req.uri().path() {
-                "/healthz/ready" if ready => text(StatusCode::OK, "ready\n"),
-                "/healthz/ready" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
-                _ => text(StatusCode::NOT_FOUND, "try /healthz/ready\n"),
-            }
-        }
-    })));
-    let dump_cfg = Arc::new(cfg.clone());
-    let dump_store = store.clone();
-    let dump_ctx = ctx.clone();
-    let dump_signer = signer.clone();
-    let dump_inpod = inpod.clone();
-    let dump_xds = xds.clone();
-    let admin_ebpf = ebpf.clone();
-    let admin_token = ebpf_token.clone();
-    tasks.push(tokio::spawn(admin::serve(admin_l, drain.clone(), move |req| {
-        let cfg = dump_cfg.clone();
-        let store = dump_store.clone();
-        let ctx = dump_ctx.clone();
-        let signer = dump_signer.clone();
-        let inpod = dump_inpod.clone();
-        let xds = dump_xds.clone();
-        let ebpf = admin_ebpf.clone();
-        let token = admin_token.clone();
-        let log = log.clone();
-        async move {
-            let path = req.uri().path();
-            if path == "/redirect/ebpf" || path.starts_with("/redirect/ebpf/") {
-                // Attaching runs netlink and bpf syscalls: off the async workers.
-                let (method, path, query) =
-                    (req.method().clone(), path.to_string(), req.uri().query().map(String::from));
-                let presented = req
-                    .headers()
-                    .get(crate::redirect::ebpf::TOKEN_HEADER)
-                    .and_then(|v| v.to_str().ok())
-                    .map(String::from);
-                return tokio::task::spawn_blocking(move || {
-                    admin::ebpf_endpoint(
-                        ebpf.as_deref(),
-                        &method,
-                        &path,
-                        query.as_deref(),
-                        presented.as_deref(),
-                        token.as_deref().map(String::as_str),
-                    )
-                })
-                .await
-                .unwrap_or_else(|e| text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
-            }
-            match path {
-                "/config_dump" => {
-                    let mut v = config_dump(&cfg, &store, &ctx, &signer);
-                    if let Some(p) = &inpod {
-                        v["inpod_pods"] = json!(p.uids());
-                    }
-                    if let Some(e) = &ebpf {
-                        v["redirect"] = e.status();
-                    }
-                    if let Some(x) = &xds {
-                        v["xds"] = json!(x.status());
-                    }
-                    let mut r =
-                        text(StatusCode::OK, serde_json::to_string_pretty(&v).unwrap_or_default());
-                    r.headers_mut().insert(
-                        http::header::CONTENT_TYPE,
-                        http::HeaderValue::from_static("application/json"),
-                    );
-                    r
-                }
-                "/logging" => match (admin::level_param(req.uri().query()), &log) {
-                    (Some(level), Some(ctl)) => match ctl(&level) {
-                        Ok(()) => {
-                            tracing::info!(%level, "log level changed");
-                            text(StatusCode::OK, format!("log level set to {level}\n"))
-                        }
-                        Err(e) => {
-                            text(StatusCode::BAD_REQUEST, format!("invalid level '{level}': {e}\n"))
-                        }
-                    },
-                    (None, _) => text(
-                        StatusCode::BAD_REQUEST,
-                        "usage: /logging?level=<filter, e.g. debug or mbtunnel=trace>\n",
-                    ),
-                    (_, None) => {
-                        text(StatusCode::NOT_IMPLEMENTED, "log level control not available\n")
-                    }
-                },
-                _ => text(
-                    StatusCode::NOT_FOUND,
-                    "endpoints: /config_dump /logging?level=... /redirect/ebpf\n",
-                ),
-            }
-        }
-    })));
+    tasks.push(tokio::spawn(admin::serve_readiness(
+        ready_l,
+        drain.clone(),
+        Arc::new(move || {
+            *cr.borrow() && *xr.borrow() && zr.load(Ordering::Acquire) && !dr.is_draining()
+        }),
+    )));
+    let admin_state = Arc::new(admin::AdminState {
+        cfg: Arc::new(cfg.clone()),
+        store: store.clone(),
+        ctx: ctx.clone(),
+        signer: signer.clone(),
+        inpod: inpod.clone(),
+        xds: xds.clone(),
+        ebpf: ebpf.clone(),
+        ebpf_token: ebpf_token.clone(),
+        log,
+    });
+    tasks.push(tokio::spawn(admin::serve_admin(admin_l, drain.clone(), admin_state)));
     tracing::info!(outbound = %bound.outbound, inbound = %bound.inbound, plaintext = %bound.inbound_plaintext,
         metrics = %bound.metrics, readiness = %bound.readiness, admin = %bound.admin, node = %cfg.node_name,
         "listening");
@@ -454,55 +350,6 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         zds_ready,
         drain_timeout: Duration::from_secs(cfg.drain_timeout_secs),
         tasks,
-    })
-}
-
-fn config_dump(cfg: &Config, store: &CertStore, ctx: &Ctx, signer: &Signer) -> serde_json::Value {
-    let b = crate::mb::backend_choice();
-    let certs: Vec<_> = store
-        .snapshot()
-        .iter()
-        .map(|c| {
-            json!({
-                "identity": c.identity.to_string(),
-                "serial": c.serial,
-                "algorithm": c.algorithm,
-                "not_before": humantime(c.not_before),
-                "not_after": humantime(c.not_after),
-                "issued_at": humantime(c.issued_at),
-                "renew_at": humantime(c.refresh_at()),
-                "intermediates": c.chain_der.len(),
-            })
-        })
-        .collect();
-    let roots: Vec<String> = store
-        .snapshot()
-        .first()
-        .map(|b| {
-            b.roots_der
-                .iter()
-                .filter_map(|d| boring::x509::X509::from_der(d).ok()?.to_pem().ok())
-                .filter_map(|p| String::from_utf8(p).ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    json!({
-        "config": cfg,
-        "local_workloads": ctx.state.local_workloads().iter().map(|w| w.uid.clone()).collect::<Vec<_>>(),
-        "state": ctx.state.dump(),
-        "certificate_source": store.source().describe(),
-        "holds_ca_key": store.source().holds_ca_key(),
-        "certificates": certs,
-        "root_certificates": roots,
-        "signer": {
-            "backend": b.backend.to_string(),
-            "cpu_features": b.features.to_string(),
-            "reason": b.reason,
-            "state": signer.dump(),
-        },
-        "hbone_pool_connections": ctx.pool.len(),
-        "active_connections": ctx.drain.active(),
-        "draining": ctx.drain.is_draining(),
     })
 }
 

@@ -19,7 +19,8 @@ pub mod env {
     pub const TRUST_DOMAIN: &str = "TRUST_DOMAIN";
     pub const CA_DIR: &str = "MBTUNNEL_CA_DIR";
     pub const KEY_ALGORITHM: &str = "MBTUNNEL_KEY_ALGORITHM";
-    pub const SIGNER_BACKEND: &str = crate::mb::BACKEND_ENV;
+    /// Read by the multi-buffer core itself too (`mb::BACKEND_ENV`; a test keeps them equal).
+    pub const SIGNER_BACKEND: &str = "MBTUNNEL_SIGNER_BACKEND";
     pub const LOG_FORMAT: &str = "MBTUNNEL_LOG_FORMAT";
     pub const SIGNER_THREADS: &str = "MBTUNNEL_SIGNER_THREADS";
     /// Whole CPUs the proxy may use (the DaemonSet passes `limits.cpu`); sizes the signer.
@@ -50,6 +51,12 @@ pub mod env {
     pub const CA_HEADER_PREFIX: &str = "CA_HEADER_";
 }
 
+/// Lanes of a multi-buffer batch (`mb::LANES`; a test keeps them equal). `config` imports
+/// neither the crypto core nor the redirect code.
+pub const BATCH_LANES: usize = 8;
+/// Where eBPF mode writes its admin token by default (`redirect::ebpf::DEFAULT_TOKEN_FILE`).
+pub const DEFAULT_EBPF_TOKEN_FILE: &str = "/var/run/mbtunnel/ebpf-admin.token";
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config file {path}: {source}")]
@@ -60,34 +67,7 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// Key algorithm of the workload certificates the node requests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
-pub enum KeyAlgorithm {
-    #[default]
-    #[serde(rename = "ecdsa-p256")]
-    EcdsaP256,
-    #[serde(rename = "rsa-2048")]
-    Rsa2048,
-    #[serde(rename = "rsa-3072")]
-    Rsa3072,
-    #[serde(rename = "rsa-4096")]
-    Rsa4096,
-}
-
-impl std::str::FromStr for KeyAlgorithm {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "ecdsa-p256" => Ok(KeyAlgorithm::EcdsaP256),
-            "rsa-2048" => Ok(KeyAlgorithm::Rsa2048),
-            "rsa-3072" => Ok(KeyAlgorithm::Rsa3072),
-            "rsa-4096" => Ok(KeyAlgorithm::Rsa4096),
-            _ => Err(format!(
-                "unknown key algorithm '{s}': expected ecdsa-p256, rsa-2048, rsa-3072 or rsa-4096"
-            )),
-        }
-    }
-}
+pub use crate::identity::KeyAlgorithm;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
@@ -95,6 +75,18 @@ pub enum LogFormat {
     #[default]
     Text,
     Json,
+}
+
+/// The one parser for the log format, whichever way it is given (file, env, flag).
+impl std::str::FromStr for LogFormat {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "text" => Ok(LogFormat::Text),
+            "json" => Ok(LogFormat::Json),
+            _ => Err(format!("'{s}' is not text or json")),
+        }
+    }
 }
 
 pub use crate::state::policy::Authorization;
@@ -232,7 +224,7 @@ impl Default for Config {
             inpod_socket: PathBuf::from("/var/run/ztunnel/ztunnel.sock"),
             ebpf_enabled: false,
             ebpf_uplinks: Vec::new(),
-            ebpf_token_file: PathBuf::from(crate::redirect::ebpf::DEFAULT_TOKEN_FILE),
+            ebpf_token_file: PathBuf::from(DEFAULT_EBPF_TOKEN_FILE),
             xds_address: None,
             ca_address: None,
             xds_root_ca: "./var/run/secrets/istio/root-cert.pem".into(),
@@ -362,16 +354,8 @@ impl Config {
             })?);
         }
         if let Some(v) = get(env::LOG_FORMAT) {
-            self.log_format = match v.as_str() {
-                "text" => LogFormat::Text,
-                "json" => LogFormat::Json,
-                _ => {
-                    return Err(ConfigError::Invalid(format!(
-                        "{}: '{v}' is not text or json",
-                        env::LOG_FORMAT
-                    )))
-                }
-            };
+            self.log_format =
+                v.parse().map_err(|e| ConfigError::Invalid(format!("{}: {e}", env::LOG_FORMAT)))?;
         }
         self.validate()
     }
@@ -435,7 +419,7 @@ impl Config {
         if self.signer_queue_limit == 0 {
             return bad("signer_queue_limit must be at least 1".into());
         }
-        if let Some(k) = self.signer_scalar_below.filter(|k| *k > crate::mb::LANES) {
+        if let Some(k) = self.signer_scalar_below.filter(|k| *k > BATCH_LANES) {
             return bad(format!("signer_scalar_below {k} exceeds the batch size 8"));
         }
         if self.xds_address.is_some()
@@ -525,6 +509,13 @@ pub fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn constants_mirrored_from_other_modules_agree() {
+        assert_eq!(env::SIGNER_BACKEND, crate::mb::BACKEND_ENV);
+        assert_eq!(BATCH_LANES, crate::mb::LANES);
+        assert_eq!(DEFAULT_EBPF_TOKEN_FILE, crate::redirect::ebpf::DEFAULT_TOKEN_FILE);
+    }
 
     #[test]
     fn control_plane_settings_from_env() {

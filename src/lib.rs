@@ -5,6 +5,7 @@ pub mod admin;
 pub mod app;
 pub mod bench;
 pub mod config;
+pub mod devtools;
 pub mod grpc;
 pub mod hbone;
 pub mod identity;

@@ -8,7 +8,6 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use mbtunnel::config::{env, Config, KeyAlgorithm, LogFormat};
 use mbtunnel::redirect::Backend;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tracing_subscriber::prelude::*;
 use tracing_subscriber::{reload, EnvFilter};
 
@@ -375,45 +374,6 @@ fn parse_pod(s: &str) -> Result<(String, PathBuf), String> {
     }
 }
 
-async fn fake_cni(
-    socket: PathBuf,
-    pods: Vec<(String, PathBuf)>,
-    backend: mbtunnel::redirect::Backend,
-) -> anyhow::Result<()> {
-    use mbtunnel::inpod::uds::SeqPacketListener;
-    use mbtunnel::inpod::zds::{ResponsePayload, WorkloadRequest, WorkloadResponse};
-    use prost::Message;
-    for (uid, path) in &pods {
-        mbtunnel::redirect::apply(backend, path)
-            .with_context(|| format!("redirect rules for pod {uid}"))?;
-    }
-    let l =
-        SeqPacketListener::bind(&socket).with_context(|| format!("bind {}", socket.display()))?;
-    loop {
-        let conn = l.accept().await?;
-        let _hello = conn.recv().await?;
-        let mut reqs: Vec<(String, WorkloadRequest, Option<std::os::fd::OwnedFd>)> = Vec::new();
-        for (uid, path) in &pods {
-            let fd = mbtunnel::inpod::netns::open(path)
-                .with_context(|| format!("open {}", path.display()))?;
-            reqs.push((format!("add {uid}"), WorkloadRequest::add(uid, None), Some(fd)));
-        }
-        reqs.push(("snapshot".into(), WorkloadRequest::snapshot_sent(), None));
-        for (what, req, fd) in reqs {
-            let fds: Vec<_> = fd.as_ref().map(std::os::fd::AsFd::as_fd).into_iter().collect();
-            conn.send(&req.encode_to_vec(), &fds).await?;
-            let Some(p) = conn.recv().await? else { break };
-            let err = match WorkloadResponse::decode(&p.data[..]).map(|r| r.payload) {
-                Ok(Some(ResponsePayload::Ack(a))) => a.error,
-                _ => "malformed response".into(),
-            };
-            println!("{}", serde_json::json!({"request": what, "error": err}));
-        }
-        // Hold the connection until the proxy goes; then wait for it to come back.
-        while conn.recv().await?.is_some() {}
-    }
-}
-
 type FilterHandle = reload::Handle<EnvFilter, tracing_subscriber::Registry>;
 
 fn init_logging(format: LogFormat, level: &str) -> anyhow::Result<FilterHandle> {
@@ -504,11 +464,7 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
         cfg.cpu_limit = v;
     }
     if let Some(v) = &a.log_format {
-        cfg.log_format = match v.as_str() {
-            "json" => LogFormat::Json,
-            "text" => LogFormat::Text,
-            _ => anyhow::bail!("--log-format: '{v}' is not text or json"),
-        };
+        cfg.log_format = v.parse().map_err(|e| anyhow::anyhow!("--log-format: {e}"))?;
     }
     if let Some(v) = a.log_level.clone().or_else(|| std::env::var(env::LOG).ok()) {
         cfg.log_level = v;
@@ -541,60 +497,11 @@ async fn run(a: RunArgs) -> anyhow::Result<()> {
 }
 
 async fn tool(t: Tool) -> anyhow::Result<()> {
+    use mbtunnel::devtools;
     match t {
-        Tool::Echo { listen } => {
-            let l = tokio::net::TcpListener::bind(listen)
-                .await
-                .with_context(|| format!("bind {listen}"))?;
-            loop {
-                let (mut s, peer) = l.accept().await?;
-                tokio::spawn(async move {
-                    let (mut r, mut w) = s.split();
-                    let n = tokio::io::copy(&mut r, &mut w).await.unwrap_or(0);
-                    let _ = w.shutdown().await;
-                    println!("{{\"echo_peer\":\"{peer}\",\"bytes\":{n}}}");
-                });
-            }
-        }
-        Tool::Cni { socket, pods, redirect } => fake_cni(socket, pods, redirect).await,
-        Tool::Send { connect, bind, bytes } => {
-            let sock = if connect.is_ipv4() {
-                tokio::net::TcpSocket::new_v4()?
-            } else {
-                tokio::net::TcpSocket::new_v6()?
-            };
-            if let Some(ip) = bind {
-                sock.bind(SocketAddr::new(ip, 0)).with_context(|| format!("bind {ip}"))?;
-            }
-            let start = std::time::Instant::now();
-            let s = sock.connect(connect).await.with_context(|| format!("connect {connect}"))?;
-            let data: Vec<u8> =
-                (0..bytes).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
-            let (mut r, mut w) = s.into_split();
-            let d2 = data.clone();
-            let writer = tokio::spawn(async move {
-                w.write_all(&d2).await?;
-                w.shutdown().await
-            });
-            let mut back = Vec::with_capacity(bytes);
-            r.read_to_end(&mut back).await?;
-            writer.await??;
-            let ok = back == data;
-            println!(
-                "{{\"sent\":{},\"received\":{},\"intact\":{},\"ms\":{}}}",
-                data.len(),
-                back.len(),
-                ok,
-                start.elapsed().as_millis()
-            );
-            anyhow::ensure!(
-                ok,
-                "echo mismatch: sent {} bytes, got {} back",
-                data.len(),
-                back.len()
-            );
-            Ok(())
-        }
+        Tool::Echo { listen } => devtools::echo(listen).await,
+        Tool::Cni { socket, pods, redirect } => devtools::fake_cni(socket, pods, redirect).await,
+        Tool::Send { connect, bind, bytes } => devtools::send(connect, bind, bytes).await,
     }
 }
 

@@ -301,3 +301,70 @@ async fn a_refused_token_is_reported_and_never_ready() {
     assert_eq!(metric(&am, "mbtunnel_xds_connection_state", &[]), Some(0.0), "{am}");
     a.shutdown().await;
 }
+
+/// In-pod mode binds a pod's listeners to its workload: a connection accepted for pod `c1` gets
+/// c1's identity even when it comes from another local workload's address (a pod that adds its
+/// neighbour's IP must not get the neighbour's certificate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pods_listener_speaks_for_that_pod_whatever_the_source_address() {
+    let net = 43;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("xds-never-ca3");
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload("v1", "victim", "victim", ip(net, 8), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[
+                    ("demo/echo.demo.svc.cluster.local", 8080),
+                    ("demo/echo2.demo.svc.cluster.local", 8080),
+                ],
+            ),
+            cp::service("echo", ip(net, 50), 8080),
+            cp::service("echo2", ip(net, 60), 8080),
+        ],
+    );
+    let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let b = mbtunnel::app::start(node_config(net, "node-b", &cp, cp::TOKEN, &never), None)
+        .await
+        .expect("start B");
+    let a = mbtunnel::app::start(node_config(net, "node-a", &cp, cp::TOKEN, &never), None)
+        .await
+        .expect("start A");
+    assert!(wait_ready(&a).await && wait_ready(&b).await);
+    // A listener standing for pod c1 (as in-pod mode opens one per pod), reached from v1's IP.
+    let l = tokio::net::TcpListener::bind(SocketAddr::new(ip(net, 60), 8080)).await.unwrap();
+    let ctx = a.ctx.clone();
+    tokio::spawn(async move {
+        let (s, peer) = l.accept().await.unwrap();
+        mbtunnel::proxy::outbound::handle(ctx, s, peer, None, Some(std::sync::Arc::from("c1")))
+            .await
+    });
+    let s = TcpSocket::new_v4().unwrap();
+    s.bind(SocketAddr::new(ip(net, 8), 0)).unwrap();
+    let mut c = s.connect(SocketAddr::new(ip(net, 60), 8080)).await.unwrap();
+    c.write_all(b"whoami").await.unwrap();
+    let mut buf = [0u8; 6];
+    c.read_exact(&mut buf).await.unwrap();
+    drop(c);
+    let bm = b.metrics_text();
+    assert!(
+        metric(
+            &bm,
+            "istio_tcp_connections_opened_total",
+            &["source_principal=\"spiffe://cluster.local/ns/demo/sa/client\""]
+        )
+        .unwrap_or(0.0)
+            >= 1.0,
+        "{bm}"
+    );
+    assert!(!bm.contains("sa/victim"), "the neighbour's identity was used: {bm}");
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -19,7 +19,7 @@ use rcgen::{
 };
 
 use super::Identity;
-use crate::config::KeyAlgorithm;
+use super::KeyAlgorithm;
 
 pub const ROOT_CERT_FILE: &str = "ca-cert.pem";
 pub const ROOT_KEY_FILE: &str = "ca-key.pem";

@@ -17,7 +17,7 @@ use super::ca::{generate_key, BoringKey, CaError};
 use super::source::CertSource;
 use super::store::CertBundle;
 use super::Identity;
-use crate::config::KeyAlgorithm;
+use super::KeyAlgorithm;
 use crate::grpc::Endpoints;
 use crate::proto::ca::istio_certificate_service_client::IstioCertificateServiceClient;
 use crate::proto::ca::IstioCertificateRequest;

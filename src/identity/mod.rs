@@ -13,6 +13,35 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+/// Key algorithm of the workload certificates the node requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum KeyAlgorithm {
+    #[default]
+    #[serde(rename = "ecdsa-p256")]
+    EcdsaP256,
+    #[serde(rename = "rsa-2048")]
+    Rsa2048,
+    #[serde(rename = "rsa-3072")]
+    Rsa3072,
+    #[serde(rename = "rsa-4096")]
+    Rsa4096,
+}
+
+impl std::str::FromStr for KeyAlgorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ecdsa-p256" => Ok(KeyAlgorithm::EcdsaP256),
+            "rsa-2048" => Ok(KeyAlgorithm::Rsa2048),
+            "rsa-3072" => Ok(KeyAlgorithm::Rsa3072),
+            "rsa-4096" => Ok(KeyAlgorithm::Rsa4096),
+            _ => Err(format!(
+                "unknown key algorithm '{s}': expected ecdsa-p256, rsa-2048, rsa-3072 or rsa-4096"
+            )),
+        }
+    }
+}
+
 /// Errors parsing a SPIFFE id.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum IdentityError {

@@ -9,7 +9,7 @@ use futures::future::BoxFuture;
 use super::ca::{CaError, DevCa};
 use super::store::CertBundle;
 use super::Identity;
-use crate::config::KeyAlgorithm;
+use super::KeyAlgorithm;
 
 /// Issues a certificate (with a fresh private key) for one identity.
 pub trait CertSource: Send + Sync + 'static {

@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use super::ca::{CaError, DevCa};
 use super::source::{CertSource, DevCaSource};
 use super::Identity;
-use crate::config::KeyAlgorithm;
+use super::KeyAlgorithm;
 
 /// The shortest time between two issuances for one identity: a CA that hands out very short
 /// lifetimes cannot make the node re-issue in a loop.

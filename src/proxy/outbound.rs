@@ -9,11 +9,11 @@ use tracing::Instrument;
 
 use super::socket::{destination, dial, original_dst, DialOpts};
 use super::{copy_both, ConnRecord, Ctx};
-use crate::config::Protocol;
 use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey};
 use crate::inpod::netns::Netns;
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
+use crate::state::Protocol;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
