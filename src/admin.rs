@@ -71,10 +71,44 @@ pub type LogControl = Arc<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
 
 /// The value of `name=...` in a query string (the few escapes our values need decoded).
 pub fn query_param(query: Option<&str>, name: &str) -> Option<String> {
-    query?
-        .split('&')
-        .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
-        .map(|v| v.replace("%3D", "=").replace("%2C", ",").replace("%3A", ":"))
+    query?.split('&').find_map(|kv| kv.strip_prefix(name)?.strip_prefix('=')).map(percent_decode)
+}
+
+/// Decodes `%XX` escapes (and `+` as a space); a malformed escape stays as written.
+pub fn percent_decode(v: &str) -> String {
+    let b = v.as_bytes();
+    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push(h << 4 | l);
+                i += 3;
+            }
+            (b'+', _, _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Encodes everything but unreserved characters, for query values.
+pub fn percent_encode(v: &str) -> String {
+    v.bytes()
+        .map(|c| match c {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (c as char).to_string()
+            }
+            _ => format!("%{c:02X}"),
+        })
+        .collect()
 }
 
 /// Parses `level=...` from a query string.
@@ -258,6 +292,16 @@ pub async fn serve_admin(listener: TcpListener, drain: Drain, st: Arc<AdminState
                 .unwrap_or_else(|e| text(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()));
             }
             match path {
+                "/authz/check" => {
+                    let q = req.uri().query();
+                    match authz_check(&st, query_param(q, "src"), query_param(q, "dst")) {
+                        Ok(v) => with_type(
+                            text(StatusCode::OK, serde_json::to_string_pretty(&v).unwrap_or_default()),
+                            "application/json",
+                        ),
+                        Err(e) => text(StatusCode::BAD_REQUEST, format!("{e}\n")),
+                    }
+                }
                 "/config_dump" => with_type(
                     text(
                         StatusCode::OK,
@@ -285,12 +329,56 @@ pub async fn serve_admin(listener: TcpListener, drain: Drain, st: Arc<AdminState
                 },
                 _ => text(
                     StatusCode::NOT_FOUND,
-                    "endpoints: /config_dump /logging?level=... /redirect/ebpf\n",
+                    "endpoints: /config_dump /logging?level=... /authz/check?src=..&dst=.. /redirect/ebpf\n",
                 ),
             }
         }
     })
     .await
+}
+
+/// `/authz/check?src=<spiffe id | ip>&dst=<ip:port>`: the decision for a hypothetical
+/// connection to a local workload, with every applicable policy and whether it matched.
+pub fn authz_check(
+    st: &AdminState,
+    src: Option<String>,
+    dst: Option<String>,
+) -> Result<serde_json::Value, String> {
+    let usage = "usage: /authz/check?src=<spiffe://... or source ip>&dst=<ip:port>";
+    let src = src.ok_or(usage)?;
+    let dst: std::net::SocketAddr =
+        dst.ok_or(usage)?.parse().map_err(|_| format!("dst must be ip:port; {usage}"))?;
+    let state = &st.ctx.state;
+    let w = state
+        .workload_by_ip(dst.ip())
+        .ok_or_else(|| format!("{} is not a workload address in the mesh state", dst.ip()))?;
+    // A SPIFFE id is an mTLS peer; an address alone is a plaintext one.
+    let (id, src_ip) = if src.starts_with("spiffe://") {
+        let id: crate::identity::Identity = src.parse().map_err(|e| format!("src: {e}"))?;
+        (Some(id), std::net::IpAddr::from([0, 0, 0, 0]))
+    } else {
+        (None, src.parse().map_err(|_| format!("src must be a SPIFFE id or an IP; {usage}"))?)
+    };
+    let principal = id.as_ref().map(crate::authz::principal_of);
+    let c = crate::authz::Conn {
+        src: id.as_ref(),
+        principal: principal.as_deref(),
+        src_ip,
+        dst_ip: dst.ip(),
+        dst_port: dst.port(),
+    };
+    let mut considered = Vec::new();
+    let d = crate::authz::decide(state, &w, &c, Some(&mut considered));
+    Ok(json!({
+        "source": src,
+        "source_identity_verified": id.is_some(),
+        "destination": dst.to_string(),
+        "destination_workload": format!("{}/{}", w.namespace, w.name),
+        "local": state.local_workload_by_ip(dst.ip()).is_some(),
+        "allowed": d.allowed(),
+        "reason": d.reason(),
+        "policies": considered,
+    }))
 }
 
 /// Everything `/config_dump` shows: settings, mesh state, xDS, certificates, signer, redirect.

@@ -232,6 +232,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         mark: cfg.socket_mark,
         transparent,
         own_addrs: vec![bound.outbound, bound.inbound, bound.inbound_plaintext],
+        conns: Arc::default(),
     });
     if ebpf.is_some() {
         // HBONE to a pod of this node stays in the process: dialled, it would leave the node's
@@ -293,6 +294,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         )));
     }
     tasks.push(tokio::spawn(store.clone().run_renewal()));
+    tasks.push(tokio::spawn(proxy::run_recheck(ctx.clone())));
     let zds_ready = Arc::new(AtomicBool::new(!cfg.inpod_enabled));
     let inpod = inpod_metrics.map(|m| Arc::new(InPod::new(ctx.clone(), store.clone(), m)));
     if let Some(pods) = &inpod {

@@ -3,6 +3,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod authz;
 pub mod bench;
 pub mod config;
 pub mod devtools;

@@ -47,6 +47,20 @@ enum Cmd {
     /// redirect of a node proxy running with ebpf_enabled.
     #[command(subcommand)]
     Redirect(RedirectCmd),
+    /// Explain the authorization decision for a hypothetical connection to a workload of the
+    /// running proxy's mesh state: every applicable policy, whether it matched, the verdict
+    /// (asks the proxy's admin API, `/authz/check`).
+    CheckPolicy {
+        /// The source: a SPIFFE id (an mTLS peer) or an IP address (a plaintext peer).
+        #[arg(long)]
+        src: String,
+        /// The destination, ip:port.
+        #[arg(long)]
+        dst: std::net::SocketAddr,
+        /// The proxy's admin address.
+        #[arg(long, default_value = "127.0.0.1:15000")]
+        admin: std::net::SocketAddr,
+    },
     /// Test helpers used by the demo: an echo server and a client.
     #[command(hide = true, subcommand)]
     Tool(Tool),
@@ -554,6 +568,11 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Redirect(RedirectCmd::Ebpf(cmd)) => ebpf_cmd(cmd),
+        Cmd::CheckPolicy { src, dst, admin } => {
+            let a = mbtunnel::redirect::control::Admin { addr: admin, token_file: PathBuf::new() };
+            print!("{}", a.check_policy(&src, &dst.to_string())?);
+            Ok(())
+        }
         Cmd::Redirect(RedirectCmd::Iptables { action, netns }) => {
             rules(Backend::Iptables, action, &netns)
         }

@@ -20,6 +20,7 @@ use crate::hbone::{parse_connect, server_builder, ConnectRefusal};
 use crate::identity::Identity;
 use crate::inpod::netns::Netns;
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
+use crate::state::Workload;
 use crate::tls::Stream;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -126,15 +127,21 @@ async fn serve_connect(
     if netns.is_some() && crate::inpod::PROXY_PORTS.contains(&target.port()) {
         return refuse(ConnectRefusal::Loop(target));
     }
+    let src_wl = ctx.state.workload_by_ip(peer.ip());
+    let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
+        .with_source(src_wl.as_deref(), Some(peer_id.to_string()))
+        .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
+    // Authorization, before the app is dialled: a denial answers 401 on this stream only.
+    if let Err(reason) = authorize(&ctx, &dst_wl, Some(peer_id), peer.ip(), target) {
+        ConnRecord::denied(&ctx, peer, target, labels, &reason);
+        return status(StatusCode::UNAUTHORIZED);
+    }
     let source = ctx.transparent.then_some(peer.ip());
     let upstream = match dial(target, DialOpts { mark: ctx.mark, source, netns }).await {
         Ok(u) => u,
         Err(e) => return refuse(ConnectRefusal::Upstream(target, e.to_string())),
     };
-    let src_wl = ctx.state.workload_by_ip(peer.ip());
-    let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
-        .with_source(src_wl.as_deref(), Some(peer_id.to_string()))
-        .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
+    let tracked = ctx.conns.register(&dst_wl.uid, Some(peer_id), peer.ip(), target);
     let rec = ConnRecord::open(&ctx, peer, target, labels);
     let upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(
@@ -143,7 +150,7 @@ async fn serve_connect(
             match upgrade.await {
                 Ok(up) => {
                     let mut up = TokioIo::new(up);
-                    let (rx, tx, r) = copy_both(&mut up, &mut upstream).await;
+                    let (rx, tx, r) = copy_until_revoked(&mut up, &mut upstream, tracked).await;
                     rec.close(rx, tx, r);
                 }
                 Err(e) => rec.close(0, 0, Err(format!("upgrade: {e}"))),
@@ -152,6 +159,58 @@ async fn serve_connect(
         .in_current_span(),
     );
     status(StatusCode::OK)
+}
+
+/// Checks a connection to local workload `dst_wl` against the authorization policies that apply
+/// to it. A denial is logged with its reason, which is returned.
+fn authorize(
+    ctx: &Ctx,
+    dst_wl: &Workload,
+    src: Option<&Identity>,
+    src_ip: std::net::IpAddr,
+    dst: SocketAddr,
+) -> Result<(), String> {
+    let principal = src.map(crate::authz::principal_of);
+    let c = crate::authz::Conn {
+        src,
+        principal: principal.as_deref(),
+        src_ip,
+        dst_ip: dst.ip(),
+        dst_port: dst.port(),
+    };
+    let d = crate::authz::decide(&ctx.state, dst_wl, &c, None);
+    if d.allowed() {
+        return Ok(());
+    }
+    let reason = d.reason();
+    tracing::warn!(src = %src_ip, dst = %dst, identity = ?src.map(|i| i.to_string()),
+        reason = %reason, "connection denied by authorization policy");
+    Err(reason)
+}
+
+/// Copies both ways until done, or until the registry says the connection must close (its
+/// authorization was revoked): then both sides are dropped and the error names the reason.
+async fn copy_until_revoked<A, B>(
+    a: &mut A,
+    b: &mut B,
+    mut tracked: crate::proxy::Registered,
+) -> (u64, u64, Result<(), String>)
+where
+    A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+    B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+{
+    let revoked = async {
+        let r =
+            tracked.closed.wait_for(|c| c.is_some()).await.map(|r| r.clone().unwrap_or_default());
+        match r {
+            Ok(reason) => reason,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        r = copy_both(a, b) => r,
+        reason = revoked => (0, 0, Err(format!("closed: authorization revoked ({reason})"))),
+    }
 }
 
 /// Inbound plaintext (15006): a connection redirected to a local workload, passed through as is.
@@ -183,11 +242,19 @@ pub async fn handle_plaintext(
         let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::unknown)
             .with_source(ctx.state.workload_by_ip(peer.ip()).as_deref(), None)
             .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
+        // No verified identity: only address and port fields can allow it.
+        if let Err(reason) = authorize(&ctx, &dst_wl, None, peer.ip(), dst) {
+            ConnRecord::denied(&ctx, peer, dst, labels, &reason);
+            // Reset, not FIN: the client must not mistake a refusal for an empty answer.
+            let _ = socket2::SockRef::from(&client).set_linger(Some(std::time::Duration::ZERO));
+            return;
+        }
         let rec = ConnRecord::open(&ctx, peer, dst, labels);
         let source = ctx.transparent.then_some(peer.ip());
         match dial(dst, DialOpts { mark: ctx.mark, source, netns: netns.as_deref() }).await {
             Ok(mut up) => {
-                let (rx, tx, r) = copy_both(&mut client, &mut up).await;
+                let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
+                let (rx, tx, r) = copy_until_revoked(&mut client, &mut up, tracked).await;
                 rec.close(rx, tx, r);
             }
             Err(e) => rec.close(0, 0, Err(format!("connect {dst}: {e}"))),

@@ -29,6 +29,8 @@ pub struct Ctx {
     pub transparent: bool,
     /// The proxy's own listener addresses (connections to them are loops).
     pub own_addrs: Vec<SocketAddr>,
+    /// Open inbound connections, re-checked when authorization changes.
+    pub conns: Arc<ConnRegistry>,
 }
 
 /// Shutdown coordination: a trigger, watchers, and a count of in-flight connections.
@@ -123,6 +125,25 @@ impl ConnRecord {
         }
     }
 
+    /// A connection refused by authorization: counted as opened and closed with
+    /// `response_flags="DENY"` (as ztunnel labels it), and in the access log with the reason.
+    pub fn denied(
+        ctx: &Ctx,
+        src: SocketAddr,
+        dst: SocketAddr,
+        mut labels: ConnLabels,
+        reason: &str,
+    ) {
+        labels.response_flags = "DENY".into();
+        ctx.metrics.opened.get_or_create(&labels).inc();
+        ctx.metrics.closed.get_or_create(&labels).inc();
+        ctx.metrics.refuse("authorization_denied");
+        tracing::warn!(target: "access", src = %src, dst = %dst,
+            src_identity = %labels.source_principal, dst_identity = %labels.destination_principal,
+            dst_workload = %labels.destination_workload, result = "denied", reason = %reason,
+            "connection denied");
+    }
+
     /// Closes the record: `received` = bytes from the client toward the destination, `sent` =
     /// bytes back to the client (Istio's meaning of the TCP byte counters).
     pub fn close(mut self, received: u64, sent: u64, result: Result<(), String>) {
@@ -191,6 +212,117 @@ pub async fn accept_loop<F, Fut>(
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
+        }
+    }
+}
+
+/// Open inbound connections with what authorization needs to re-check them when the policies
+/// change (as ztunnel's connection manager does); a connection now denied is told to close.
+#[derive(Default)]
+pub struct ConnRegistry {
+    next: std::sync::atomic::AtomicU64,
+    open: std::sync::Mutex<std::collections::HashMap<u64, Tracked>>,
+}
+
+struct Tracked {
+    dst_uid: String,
+    src: Option<crate::identity::Identity>,
+    principal: Option<String>,
+    src_ip: std::net::IpAddr,
+    dst: SocketAddr,
+    close: watch::Sender<Option<String>>,
+}
+
+/// Held by a tracked connection; deregisters on drop.
+pub struct Registered {
+    reg: Arc<ConnRegistry>,
+    id: u64,
+    /// Turns `Some(reason)` when the connection must close.
+    pub closed: watch::Receiver<Option<String>>,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.reg.open.lock().unwrap().remove(&self.id);
+    }
+}
+
+impl ConnRegistry {
+    pub fn register(
+        self: &Arc<Self>,
+        dst_uid: &str,
+        src: Option<&crate::identity::Identity>,
+        src_ip: std::net::IpAddr,
+        dst: SocketAddr,
+    ) -> Registered {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (close, closed) = watch::channel(None);
+        self.open.lock().unwrap().insert(
+            id,
+            Tracked {
+                dst_uid: dst_uid.to_string(),
+                src: src.cloned(),
+                principal: src.map(crate::authz::principal_of),
+                src_ip,
+                dst,
+                close,
+            },
+        );
+        Registered { reg: self.clone(), id, closed }
+    }
+
+    pub fn len(&self) -> usize {
+        self.open.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Re-checks every open connection against the current state; closes those now denied
+    /// (or whose destination left). Returns how many were closed.
+    pub fn recheck(&self, state: &crate::state::Store) -> usize {
+        let open = self.open.lock().unwrap();
+        let mut closed = 0;
+        for t in open.values() {
+            if t.close.borrow().is_some() {
+                continue;
+            }
+            let verdict = match state.workload_by_uid(&t.dst_uid) {
+                None => Some("the destination workload left the mesh".to_string()),
+                Some(w) => {
+                    let c = crate::authz::Conn {
+                        src: t.src.as_ref(),
+                        principal: t.principal.as_deref(),
+                        src_ip: t.src_ip,
+                        dst_ip: t.dst.ip(),
+                        dst_port: t.dst.port(),
+                    };
+                    let d = crate::authz::decide(state, &w, &c, None);
+                    (!d.allowed()).then(|| d.reason())
+                }
+            };
+            if let Some(reason) = verdict {
+                tracing::warn!(src = %t.src_ip, dst = %t.dst, identity = ?t.src.as_ref().map(|i| i.to_string()),
+                    reason = %reason, "authorization changed: closing an open connection");
+                t.close.send_replace(Some(reason));
+                closed += 1;
+            }
+        }
+        closed
+    }
+}
+
+/// Re-checks open inbound connections whenever the mesh state changes.
+pub async fn run_recheck(ctx: Arc<Ctx>) {
+    let mut rx = ctx.state.subscribe();
+    while rx.changed().await.is_ok() {
+        let n = ctx.conns.recheck(&ctx.state);
+        if n > 0 {
+            ctx.metrics
+                .refused
+                .get_or_create(&crate::metrics::RefusalLabels { reason: "authorization_revoked" })
+                .inc_by(n as u64);
         }
     }
 }

@@ -135,6 +135,18 @@ pub async fn handle(
                         let (rx, tx, r) = copy_both(&mut client, &mut tunnel).await;
                         rec.close(rx, tx, r);
                     }
+                    Err(HboneError::Status(http::StatusCode::UNAUTHORIZED)) => {
+                        ctx.metrics.refuse("denied_by_destination");
+                        rec.close(
+                            0,
+                            0,
+                            Err(format!(
+                                "HBONE to {hop} for {}: denied by the destination's \
+                                 authorization policy (CONNECT answered 401)",
+                                upstream.target
+                            )),
+                        );
+                    }
                     Err(e) => {
                         if matches!(e, HboneError::Tls(_)) {
                             ctx.metrics.refuse("tls_handshake");

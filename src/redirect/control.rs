@@ -38,7 +38,7 @@ impl Admin {
             format!("{}: {}\r\n", super::ebpf::TOKEN_HEADER, t.trim())
         };
         let mut s = TcpStream::connect_timeout(&admin, Duration::from_secs(5)).with_context(|| {
-            format!("cannot reach the proxy's admin API at {admin} (is mbtunnel running with ebpf_enabled, and is --admin right?)")
+            format!("cannot reach the proxy's admin API at {admin} (is mbtunnel running, and is --admin right?)")
         })?;
         s.set_read_timeout(Some(Duration::from_secs(30)))?;
         write!(
@@ -76,11 +76,16 @@ impl Admin {
     pub fn status(&self) -> anyhow::Result<String> {
         self.call("GET", "/redirect/ebpf")
     }
+
+    /// `GET /authz/check`: the authorization decision for a hypothetical connection.
+    pub fn check_policy(&self, src: &str, dst: &str) -> anyhow::Result<String> {
+        self.call("GET", &format!("/authz/check?src={}&dst={}", esc(src), esc(dst)))
+    }
 }
 
 /// Query-string escaping for the values we send (interface names, addresses).
 fn esc(v: &str) -> String {
-    v.replace(':', "%3A")
+    crate::admin::percent_encode(v)
 }
 
 /// A pod as seen from its namespace: the host-side name of its veth (in this process's

@@ -101,6 +101,10 @@ struct Index {
     /// Service key → uids of the workloads behind it, sorted.
     endpoints: HashMap<String, Vec<String>>,
     policies: HashMap<String, Arc<Authorization>>,
+    /// GLOBAL-scope policies, and NAMESPACE-scope ones by namespace: what applies to a
+    /// workload is found without scanning every policy.
+    global: BTreeMap<String, Arc<Authorization>>,
+    by_ns: HashMap<String, BTreeMap<String, Arc<Authorization>>>,
 }
 
 impl Index {
@@ -140,6 +144,34 @@ impl Index {
             }
         }
         self.workloads.insert(w.uid.clone(), w);
+    }
+
+    fn remove_policy(&mut self, key: &str) {
+        if let Some(old) = self.policies.remove(key) {
+            self.global.remove(key);
+            if let Some(m) = self.by_ns.get_mut(&old.namespace) {
+                m.remove(key);
+                if m.is_empty() {
+                    self.by_ns.remove(&old.namespace);
+                }
+            }
+        }
+    }
+
+    fn insert_policy(&mut self, p: Authorization) {
+        let key = p.key();
+        self.remove_policy(&key);
+        let p = Arc::new(p);
+        match p.scope {
+            policy::Scope::Global => {
+                self.global.insert(key.clone(), p.clone());
+            }
+            policy::Scope::Namespace => {
+                self.by_ns.entry(p.namespace.clone()).or_default().insert(key.clone(), p.clone());
+            }
+            policy::Scope::WorkloadSelector => {}
+        }
+        self.policies.insert(key, p);
     }
 
     fn remove_service(&mut self, key: &str) -> bool {
@@ -184,6 +216,7 @@ pub struct Store {
     version: watch::Sender<u64>,
     rr: AtomicUsize,
     enrolled: RwLock<HashSet<String>>,
+    warned: std::sync::Mutex<HashSet<String>>,
 }
 
 pub type State = Store;
@@ -196,6 +229,7 @@ impl Store {
             version: watch::channel(0).0,
             rr: AtomicUsize::new(0),
             enrolled: RwLock::new(HashSet::new()),
+            warned: Default::default(),
         }
     }
 
@@ -218,18 +252,14 @@ impl Store {
                             ix.remove_service(name);
                         }
                     }
-                    Family::Policy => {
-                        ix.policies.remove(name);
-                    }
+                    Family::Policy => ix.remove_policy(name),
                 }
             }
             for r in delta.upserts {
                 match r {
                     Resource::Workload(w) => ix.insert_workload(w),
                     Resource::Service(s) => ix.insert_service(s),
-                    Resource::Policy(p) => {
-                        ix.policies.insert(p.key(), Arc::new(p));
-                    }
+                    Resource::Policy(p) => ix.insert_policy(p),
                 }
             }
         }
@@ -285,6 +315,35 @@ impl Store {
         let mut v: Vec<_> = self.index.read().unwrap().policies.values().cloned().collect();
         v.sort_by_key(|p| p.key());
         v
+    }
+
+    /// Calls `f` with every policy that applies to `w`: GLOBAL ones, its namespace's NAMESPACE
+    /// ones and the WORKLOAD_SELECTOR ones it names (a name the store does not hold is skipped
+    /// with a warning, once per name). Holds the read lock; allocates nothing.
+    pub fn for_each_policy_of(&self, w: &Workload, mut f: impl FnMut(&Arc<Authorization>)) {
+        let ix = self.index.read().unwrap();
+        for p in ix.global.values() {
+            f(p);
+        }
+        if let Some(m) = ix.by_ns.get(&w.namespace) {
+            for p in m.values() {
+                f(p);
+            }
+        }
+        for name in &w.authorization_policies {
+            match ix.policies.get(name) {
+                Some(p) if p.scope == policy::Scope::WorkloadSelector => f(p),
+                // Already counted through its scope.
+                Some(_) => {}
+                None => {
+                    let mut warned = self.warned.lock().unwrap();
+                    if warned.insert(name.clone()) {
+                        tracing::warn!(workload = %w.uid, policy = %name,
+                            "workload names an authorization policy the mesh state does not hold: skipped");
+                    }
+                }
+            }
+        }
     }
 
     fn is_local(&self, w: &Workload) -> bool {

@@ -27,15 +27,57 @@ pub enum Action {
     Deny,
 }
 
-/// A string comparison on a source identity field.
+/// A string comparison on a source identity field. Written `{exact: x}`, `{prefix: x}`,
+/// `{suffix: x}` or `presence` in the local file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
+#[serde(try_from = "StringMatchRepr", into = "StringMatchRepr")]
 pub enum StringMatch {
     Exact(String),
     Prefix(String),
     Suffix(String),
     /// Any non-empty value.
     Presence,
+}
+
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+enum StringMatchRepr {
+    Word(String),
+    Map(std::collections::BTreeMap<String, String>),
+}
+
+impl TryFrom<StringMatchRepr> for StringMatch {
+    type Error = String;
+    fn try_from(r: StringMatchRepr) -> Result<StringMatch, String> {
+        match r {
+            StringMatchRepr::Word(w) if w == "presence" => Ok(StringMatch::Presence),
+            StringMatchRepr::Word(w) => Err(format!(
+                "string match '{w}': expected {{exact: ...}}, {{prefix: ...}}, {{suffix: ...}} or presence"
+            )),
+            StringMatchRepr::Map(m) if m.len() == 1 => {
+                let (k, v) = m.into_iter().next().unwrap();
+                match k.as_str() {
+                    "exact" => Ok(StringMatch::Exact(v)),
+                    "prefix" => Ok(StringMatch::Prefix(v)),
+                    "suffix" => Ok(StringMatch::Suffix(v)),
+                    _ => Err(format!("unknown string match '{k}': expected exact, prefix or suffix")),
+                }
+            }
+            StringMatchRepr::Map(_) => Err("a string match has exactly one of exact, prefix, suffix".into()),
+        }
+    }
+}
+
+impl From<StringMatch> for StringMatchRepr {
+    fn from(m: StringMatch) -> StringMatchRepr {
+        let one = |k: &str, v: String| StringMatchRepr::Map([(k.to_string(), v)].into());
+        match m {
+            StringMatch::Exact(v) => one("exact", v),
+            StringMatch::Prefix(v) => one("prefix", v),
+            StringMatch::Suffix(v) => one("suffix", v),
+            StringMatch::Presence => StringMatchRepr::Word("presence".into()),
+        }
+    }
 }
 
 /// An address block: `ip/length`.

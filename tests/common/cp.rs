@@ -449,3 +449,113 @@ pub fn service(name: &str, vip: std::net::IpAddr, port: u32) -> (String, Vec<u8>
     let a = pb::Address { r#type: Some(pb::address::Type::Service(s)) };
     (format!("demo/{host}"), a.encode_to_vec())
 }
+
+/// An encoded `istio.security.Authorization` with one rule of one clause of one match whose
+/// principals are `principals` (or, when `strict`, a DENY of every peer without a principal, as
+/// istiod derives from PeerAuthentication STRICT).
+pub fn policy(
+    name: &str,
+    ns: &str,
+    deny: bool,
+    principals: &[&str],
+    strict: bool,
+) -> (String, Vec<u8>) {
+    use mbtunnel::proto::security as pb;
+    let presence = pb::StringMatch { match_type: Some(pb::string_match::MatchType::Presence(())) };
+    let m = if strict {
+        pb::Match { not_principals: vec![presence], ..Default::default() }
+    } else {
+        pb::Match {
+            principals: principals
+                .iter()
+                .map(|p| pb::StringMatch {
+                    match_type: Some(pb::string_match::MatchType::Exact(p.to_string())),
+                })
+                .collect(),
+            ..Default::default()
+        }
+    };
+    let a = pb::Authorization {
+        name: name.into(),
+        namespace: ns.into(),
+        scope: pb::Scope::Namespace as i32,
+        action: if deny { pb::Action::Deny } else { pb::Action::Allow } as i32,
+        rules: vec![pb::Rule { clauses: vec![pb::Clause { matches: vec![m] }] }],
+        dry_run: false,
+    };
+    (format!("{ns}/{name}"), a.encode_to_vec())
+}
+
+use super::{ip, pattern};
+use mbtunnel::config::{env, Config};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+/// A node proxy's settings as a DaemonSet gives them: listener addresses plus the control plane's
+/// environment. `ca_dir` points at a directory that must never be created.
+pub fn node_config(
+    net: u8,
+    node: &str,
+    cp: &ControlPlane,
+    token: &str,
+    never: &std::path::Path,
+) -> Config {
+    let me = if node == "node-a" { 2 } else { 3 };
+    let mut c = Config {
+        outbound_addr: if node == "node-a" {
+            SocketAddr::new(ip(net, 50), 8080)
+        } else {
+            SocketAddr::new(ip(net, 3), 15001)
+        },
+        ca_dir: never.to_path_buf(),
+        ..Config::default()
+    };
+    for (field, port) in [
+        (&mut c.inbound_addr, 15008),
+        (&mut c.inbound_plaintext_addr, 15006),
+        (&mut c.metrics_addr, 15020),
+        (&mut c.readiness_addr, 15021),
+        (&mut c.admin_addr, 15000),
+    ] {
+        *field = SocketAddr::new(ip(net, me), port);
+    }
+    let root = cp.root_pem.clone();
+    let url = cp.url();
+    c.apply_env(|k| match k {
+        env::XDS_ADDRESS => Some(url.clone()),
+        env::XDS_ROOT_CA => Some(root.clone()),
+        env::CA_ROOT_CA => Some(root.clone()),
+        env::AUTH_TOKEN => Some(format!("{token}\n")),
+        env::NODE_NAME => Some(node.to_string()),
+        env::POD_NAME => Some(format!("mbtunnel-{node}")),
+        env::POD_NAMESPACE => Some("istio-system".into()),
+        env::INSTANCE_IP => Some(ip(net, me).to_string()),
+        _ => None,
+    })
+    .unwrap();
+    c
+}
+
+pub async fn from(net: u8, host: u8) -> TcpStream {
+    let s = TcpSocket::new_v4().unwrap();
+    s.bind(SocketAddr::new(ip(net, host), 0)).unwrap();
+    s.connect(SocketAddr::new(ip(net, 50), 8080)).await.expect("connect to VIP")
+}
+
+/// One echo round trip from `host` through A; true when the bytes came back, false when the
+/// connection was refused or cut.
+pub async fn echo_ok(net: u8, host: u8) -> bool {
+    let data = pattern(4096, host as u32);
+    let s = from(net, host).await;
+    let (mut r, mut w) = s.into_split();
+    let sent = data.clone();
+    let writer = tokio::spawn(async move {
+        let _ = w.write_all(&sent).await;
+        let _ = w.shutdown().await;
+    });
+    let mut back = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), r.read_to_end(&mut back)).await;
+    let _ = writer.await;
+    matches!(read, Ok(Ok(_))) && back == data
+}
