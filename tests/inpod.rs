@@ -432,3 +432,78 @@ fn sh_ok(args: &[&str]) {
     let o = std::process::Command::new(args[0]).args(&args[1..]).output().expect("spawn");
     assert!(o.status.success(), "{}: {}", args.join(" "), String::from_utf8_lossy(&o.stderr));
 }
+
+/// Pushes `policies` (YAML list of istio.security.Authorization) into a node's mesh state,
+/// replacing the ones it holds, as a control-plane update would.
+fn set_policies(node: &Node, yaml: &str) {
+    use mbtunnel::state::{Delta, Family, Resource};
+    let state = &node.r().ctx.state;
+    let ps: Vec<mbtunnel::state::policy::Authorization> = serde_yaml::from_str(yaml).unwrap();
+    let removes = state.names(Family::Policy).into_iter().map(|n| (Family::Policy, n)).collect();
+    state.apply(Delta { upserts: ps.into_iter().map(Resource::Policy).collect(), removes });
+}
+
+/// Whether an echo round trip from `pod` to `dst` succeeds (false: refused, reset or empty).
+fn echo_works(pod: &Pod, dst: std::net::SocketAddr) -> bool {
+    let Ok(mut s) = connect_from(pod, dst) else { return false };
+    if s.write_all(b"are you there").is_err() || s.shutdown(std::net::Shutdown::Write).is_err() {
+        return false;
+    }
+    let mut back = Vec::new();
+    s.read_to_end(&mut back).is_ok() && back == b"are you there"
+}
+
+#[test]
+fn authorization_policy_in_pod_namespaces() {
+    require_netns!();
+    let c = cluster("authz");
+    let client = c.sim.add_pod(1, 2);
+    let legacy = c.sim.add_pod(1, 5); // not in the mesh: plaintext
+    let echo = c.sim.add_pod(2, 2);
+    let _peers = echo_in(&echo);
+    assert_eq!(enroll(&c.cni1, &client, "client-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni2, &echo, "echo-uid", Backend::Iptables), "");
+    snapshot(&c.cni1);
+    snapshot(&c.cni2);
+    let to = sa(echo.v4, 8080);
+    assert!(echo_works(&client, to) && echo_works(&legacy, to), "no policy: both pass");
+
+    // STRICT (istiod's DENY of peers without a principal): plaintext refused, HBONE passes.
+    set_policies(
+        &c.n2,
+        "[{name: strict, namespace: demo, scope: NAMESPACE, action: DENY, \
+          rules: [{clauses: [{matches: [{not_principals: [presence]}]}]}]}]",
+    );
+    assert!(!echo_works(&legacy, to), "plaintext passed a STRICT policy");
+    assert!(echo_works(&client, to), "mTLS refused by a STRICT policy");
+    let t = c.n2.metrics();
+    assert_eq!(
+        metric(
+            &t,
+            "istio_tcp_connections_opened_total",
+            &["response_flags=\"DENY\"", "connection_security_policy=\"unknown\""]
+        ),
+        Some(1.0),
+        "{t}"
+    );
+
+    // An ALLOW naming another principal: the client's CONNECT is answered 401.
+    set_policies(
+        &c.n2,
+        "[{name: only-client2, namespace: demo, scope: NAMESPACE, action: ALLOW, \
+          rules: [{clauses: [{matches: [{principals: [{exact: cluster.local/ns/demo/sa/client2}]}]}]}]}]",
+    );
+    assert!(!echo_works(&client, to), "a principal the ALLOW does not name got through");
+    wait("the denial counted on both sides", || {
+        metric(
+            &c.n2.metrics(),
+            "istio_tcp_connections_opened_total",
+            &["response_flags=\"DENY\"", "mutual_tls"],
+        ) == Some(1.0)
+            && metric(
+                &c.n1.metrics(),
+                "mbtunnel_connections_refused_total",
+                &["denied_by_destination"],
+            ) == Some(1.0)
+    });
+}

@@ -191,6 +191,26 @@ pub fn authorization(bytes: &[u8]) -> Result<Resource, String> {
         Ok(pb_sec::Action::Deny) => Action::Deny,
         Err(_) => return Err(format!("unknown action {}", a.action)),
     };
+    // Fields this proxy does not know (a newer istiod) could narrow what a rule matches:
+    // fail closed rather than guess. An ALLOW then matches nothing (it still exists, so it
+    // denies what no other ALLOW allows) and a DENY matches everything.
+    if a.encoded_len() != bytes.len() {
+        tracing::warn!(policy = %format_args!("{}/{}", a.namespace, a.name), action = ?action,
+            "authorization policy carries fields this proxy does not support: enforced fail-closed \
+             (an ALLOW matches nothing, a DENY matches every connection)");
+        let rules = match action {
+            Action::Allow => vec![],
+            Action::Deny => vec![Rule::default()],
+        };
+        return Ok(Resource::Policy(Authorization {
+            name: a.name,
+            namespace: a.namespace,
+            scope,
+            action,
+            rules,
+            dry_run: a.dry_run,
+        }));
+    }
     let rules = a
         .rules
         .iter()
@@ -290,5 +310,27 @@ mod tests {
         };
         let e = authorization(&bad_cidr.encode_to_vec()).unwrap_err();
         assert!(e.contains("33"), "{e}");
+        // An unknown field (number 99, a string) in a match: fail closed.
+        for (action, want_rules) in [(pb_sec::Action::Allow, 0), (pb_sec::Action::Deny, 1)] {
+            let p = pb_sec::Authorization {
+                name: "p".into(),
+                namespace: "n".into(),
+                action: action as i32,
+                rules: vec![pb_sec::Rule {
+                    clauses: vec![pb_sec::Clause {
+                        matches: vec![pb_sec::Match {
+                            destination_ports: vec![80],
+                            ..Default::default()
+                        }],
+                    }],
+                }],
+                ..Default::default()
+            };
+            let mut b = p.encode_to_vec();
+            b.extend_from_slice(&[0x9a, 0x06, 0x01, b'x']); // field 99, length-delimited "x"
+            let Resource::Policy(got) = authorization(&b).unwrap() else { panic!() };
+            assert_eq!(got.rules.len(), want_rules, "{action:?}");
+            assert!(got.rules.iter().all(|r| r.clauses.is_empty()), "{got:?}");
+        }
     }
 }
