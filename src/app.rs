@@ -84,15 +84,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     }
     let source: Arc<dyn CertSource> = match cfg.effective_ca_address() {
         Some(addr) => {
-            let roots = crate::grpc::load_roots(&cfg.ca_root_ca)
-                .map_err(|e| anyhow::anyhow!("CA_ROOT_CA: {e}"))?;
-            let ep = Endpoints {
-                address: addr.to_string(),
-                roots_pem: roots,
-                token: token_source(&cfg),
-                cluster_id: cfg.cluster_id.clone(),
-                headers: cfg.ca_headers.clone(),
-            };
+            let ep = endpoints(&cfg, addr, &cfg.ca_root_ca, "CA_ROOT_CA", &cfg.ca_headers)?;
             Arc::new(
                 IstioCa::new(ep, cfg.key_algorithm, Duration::from_secs(cfg.cert_lifetime_secs))
                     .map_err(|e| anyhow::anyhow!("CA_ADDRESS: {e}"))?,
@@ -124,15 +116,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let redirect_metrics = RedirectMetrics::register(&mut registry, redirect_mode);
     let xds = match &cfg.xds_address {
         Some(addr) => {
-            let roots = crate::grpc::load_roots(&cfg.xds_root_ca)
-                .map_err(|e| anyhow::anyhow!("XDS_ROOT_CA: {e}"))?;
-            let ep = Endpoints {
-                address: addr.clone(),
-                roots_pem: roots,
-                token: token_source(&cfg),
-                cluster_id: cfg.cluster_id.clone(),
-                headers: cfg.xds_headers.clone(),
-            };
+            let ep = endpoints(&cfg, addr, &cfg.xds_root_ca, "XDS_ROOT_CA", &cfg.xds_headers)?;
             let node = NodeInfo {
                 pod_name: cfg.pod_name.clone(),
                 pod_namespace: cfg.pod_namespace.clone(),
@@ -352,6 +336,25 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         zds_ready,
         drain_timeout: Duration::from_secs(cfg.drain_timeout_secs),
         tasks,
+    })
+}
+
+/// One control-plane endpoint from the settings: its roots (named `what` in errors), the token,
+/// the cluster id and extra metadata.
+fn endpoints(
+    cfg: &Config,
+    address: &str,
+    roots: &str,
+    what: &str,
+    headers: &std::collections::BTreeMap<String, String>,
+) -> anyhow::Result<Endpoints> {
+    let roots_pem = crate::grpc::load_roots(roots).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+    Ok(Endpoints {
+        address: address.to_string(),
+        roots_pem,
+        token: token_source(cfg),
+        cluster_id: cfg.cluster_id.clone(),
+        headers: headers.clone(),
     })
 }
 

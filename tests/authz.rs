@@ -10,7 +10,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::cp::{self, echo_ok, from, node_config, ControlPlane};
+use common::cp::{self, echo_ok, from, ControlPlane};
 use common::{ip, metric, start_echo, wait_for};
 use mbtunnel::xds::{ADDRESS_TYPE, AUTHORIZATION_TYPE};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -43,15 +43,7 @@ async fn allow_deny_live_and_strict() {
         vec![cp::policy("allow-client", "demo", false, &[CLIENT], false)],
     );
     let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
-    let b = mbtunnel::app::start(node_config(net, "node-b", &cp, cp::TOKEN, &never), None)
-        .await
-        .unwrap();
-    let a = mbtunnel::app::start(node_config(net, "node-a", &cp, cp::TOKEN, &never), None)
-        .await
-        .unwrap();
-    assert!(
-        a.wait_ready(Duration::from_secs(20)).await && b.wait_ready(Duration::from_secs(20)).await
-    );
+    let (a, b) = cp::start_pair(net, &cp, &never).await;
 
     // ALLOW for one principal: it passes, another is refused with 401.
     assert!(echo_ok(net, 2).await, "the allowed principal is refused");

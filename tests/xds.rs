@@ -262,13 +262,7 @@ async fn a_pods_listener_speaks_for_that_pod_whatever_the_source_address() {
         ],
     );
     let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
-    let b = mbtunnel::app::start(node_config(net, "node-b", &cp, cp::TOKEN, &never), None)
-        .await
-        .expect("start B");
-    let a = mbtunnel::app::start(node_config(net, "node-a", &cp, cp::TOKEN, &never), None)
-        .await
-        .expect("start A");
-    assert!(wait_ready(&a).await && wait_ready(&b).await);
+    let (a, b) = cp::start_pair(net, &cp, &never).await;
     // A listener standing for pod c1 (as in-pod mode opens one per pod), reached from v1's IP.
     let l = tokio::net::TcpListener::bind(SocketAddr::new(ip(net, 60), 8080)).await.unwrap();
     let ctx = a.ctx.clone();

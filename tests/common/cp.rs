@@ -559,3 +559,20 @@ pub async fn echo_ok(net: u8, host: u8) -> bool {
     let _ = writer.await;
     matches!(read, Ok(Ok(_))) && back == data
 }
+
+/// Starts node B then node A against `cp` (see `node_config`) and waits until both are ready.
+pub async fn start_pair(
+    net: u8,
+    cp: &ControlPlane,
+    never: &std::path::Path,
+) -> (mbtunnel::app::Running, mbtunnel::app::Running) {
+    let b = mbtunnel::app::start(node_config(net, "node-b", cp, TOKEN, never), None)
+        .await
+        .expect("start B");
+    let a = mbtunnel::app::start(node_config(net, "node-a", cp, TOKEN, never), None)
+        .await
+        .expect("start A");
+    let t = Duration::from_secs(20);
+    assert!(a.wait_ready(t).await && b.wait_ready(t).await, "not ready: {:?}", cp.seen());
+    (a, b)
+}
