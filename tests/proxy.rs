@@ -326,3 +326,49 @@ async fn refused_once(proxy: &mbtunnel::app::Running, reason: &str) -> bool {
     })
     .await
 }
+
+/// Local mode: the file's workloads are re-read when it changes (a new workload gets its
+/// certificate, a removed one is forgotten); an invalid file is reported and the state held
+/// stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_file_reload_applies_changes_and_keeps_state_on_errors() {
+    let dir = temp_dir("reload");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("mesh.yaml");
+    let base = format!(
+        "node_name: n\nca_dir: {}\noutbound_addr: 127.0.19.1:0\ninbound_addr: 127.0.19.1:0\n\
+         inbound_plaintext_addr: 127.0.19.1:0\nmetrics_addr: 127.0.19.1:0\n\
+         readiness_addr: 127.0.19.1:0\nadmin_addr: 127.0.19.1:0\nworkloads:\n\
+         - {{uid: a, name: a, namespace: demo, service_account: a, ips: [127.0.19.2], node: n}}\n",
+        dir.join("ca").display()
+    );
+    std::fs::write(&file, &base).unwrap();
+    let cfg = mbtunnel::config::Config::from_file(&file).unwrap();
+    let r = mbtunnel::app::start(cfg, None).await.unwrap();
+    assert!(r.wait_ready(Duration::from_secs(20)).await);
+    let id = |sa: &str| -> Identity {
+        format!("spiffe://cluster.local/ns/demo/sa/{sa}").parse().unwrap()
+    };
+    assert!(r.store.current(&id("a")).is_some());
+    // Replace a with b.
+    std::fs::write(
+        &file,
+        base.replace(
+            "{uid: a, name: a, namespace: demo, service_account: a, ips: [127.0.19.2]",
+            "{uid: b, name: b, namespace: demo, service_account: b, ips: [127.0.19.3]",
+        ),
+    )
+    .unwrap();
+    assert!(
+        wait_for(|| r.store.current(&id("b")).is_some() && r.store.current(&id("a")).is_none())
+            .await
+    );
+    assert!(r.ctx.state.workload_by_uid("a").is_none());
+    // An invalid file: reported, nothing changes.
+    std::fs::write(&file, format!("{base}  - {{uid: c, name: c, ips: []}}\n")).unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(r.ctx.state.workload_by_uid("b").is_some(), "an invalid file dropped the state");
+    assert!(r.ctx.state.workload_by_uid("c").is_none());
+    r.shutdown().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
