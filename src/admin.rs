@@ -32,25 +32,28 @@ pub fn text(code: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
     r
 }
 
-/// Serves HTTP/1 on `listener` with `handler` until drain.
-pub async fn serve<H, Fut>(listener: TcpListener, drain: Drain, handler: H)
+/// An HTTP endpoint's listener: its name (the `listener` label of the accept-error counter),
+/// the drain that stops it, and that counter.
+pub struct Endpoint {
+    pub name: &'static str,
+    pub listener: TcpListener,
+    pub drain: Drain,
+    pub accept_errors: prometheus_client::metrics::counter::Counter,
+}
+
+/// Serves HTTP/1 on the endpoint with `handler` until drain. Accept errors (out of descriptors)
+/// back off and are counted.
+pub async fn serve<H, Fut>(ep: Endpoint, handler: H)
 where
     H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<Body>> + Send + 'static,
 {
+    let (mut backoff, mut last_log) = (std::time::Duration::ZERO, None);
     loop {
         tokio::select! {
-            _ = drain.signaled() => return,
-            r = listener.accept() => {
-                let s = match r {
-                    Ok((s, _)) => s,
-                    Err(e) => {
-                        // Out of descriptors or memory: retrying at once would spin a core.
-                        tracing::warn!(error = %e, "admin/metrics accept failed; backing off");
-                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                        continue;
-                    }
-                };
+            _ = ep.drain.signaled() => return,
+            (s, _) = crate::proxy::accept_backing_off(
+                ep.name, &ep.listener, &ep.accept_errors, &mut backoff, &mut last_log) => {
                 let h = handler.clone();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
@@ -208,13 +211,8 @@ pub struct AdminState {
 }
 
 /// `:15020/metrics` (also `/stats/prometheus`).
-pub async fn serve_metrics(
-    listener: TcpListener,
-    drain: Drain,
-    registry: Arc<Registry>,
-    ebpf: Option<Arc<EbpfRedirect>>,
-) {
-    serve(listener, drain, move |req| {
+pub async fn serve_metrics(ep: Endpoint, registry: Arc<Registry>, ebpf: Option<Arc<EbpfRedirect>>) {
+    serve(ep, move |req| {
         let (reg, ebpf) = (registry.clone(), ebpf.clone());
         async move {
             match req.uri().path() {
@@ -239,12 +237,8 @@ pub async fn serve_metrics(
 }
 
 /// `:15021/healthz/ready`: 200 while `ready()` holds, 503 otherwise.
-pub async fn serve_readiness(
-    listener: TcpListener,
-    drain: Drain,
-    ready: Arc<dyn Fn() -> bool + Send + Sync>,
-) {
-    serve(listener, drain, move |req| {
+pub async fn serve_readiness(ep: Endpoint, ready: Arc<dyn Fn() -> bool + Send + Sync>) {
+    serve(ep, move |req| {
         let ready = ready();
         async move {
             match req.uri().path() {
@@ -264,8 +258,8 @@ fn with_type(mut r: Response<Body>, content_type: &'static str) -> Response<Body
 }
 
 /// `127.0.0.1:15000`: `/config_dump`, `/logging?level=...`, `/redirect/ebpf...`.
-pub async fn serve_admin(listener: TcpListener, drain: Drain, st: Arc<AdminState>) {
-    serve(listener, drain, move |req| {
+pub async fn serve_admin(ep: Endpoint, st: Arc<AdminState>) {
+    serve(ep, move |req| {
         let st = st.clone();
         async move {
             let path = req.uri().path();

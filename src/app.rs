@@ -19,7 +19,8 @@ use crate::identity::source::{CertSource, DevCaSource};
 use crate::identity::store::CertStore;
 use crate::inpod::InPod;
 use crate::metrics::Metrics;
-use crate::proxy::{self, socket, Ctx, Drain};
+use crate::net::socket;
+use crate::proxy::{self, Ctx, Drain};
 use crate::redirect::ebpf::{EbpfRedirect, Listeners, RedirectMetrics, Role};
 use crate::signer::{Signer, SignerConfig};
 use crate::state::{local_resources, replace_delta, State};
@@ -150,13 +151,20 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         fill_wait_us = ?cfg.signer_fill_wait_us,
         "signer started"
     );
-    let tls = Arc::new(TlsProvider::new(
-        store.clone(),
-        signer.clone(),
-        cfg.trust_domain.clone(),
+    let limits = cfg.limits();
+    tracing::info!(?limits, "connection limits");
+    let tls = Arc::new(
+        TlsProvider::new(store.clone(), signer.clone(), cfg.trust_domain.clone(), metrics.clone())
+            .with_limits(&limits),
+    );
+    let pool = Arc::new(Pool::new(
+        tls.clone(),
         metrics.clone(),
+        cfg.socket_mark,
+        transparent,
+        limits.clone(),
     ));
-    let pool = Arc::new(Pool::new(tls.clone(), metrics.clone(), cfg.socket_mark, transparent));
+    pool.start_idle_timer();
 
     let out_l = bind("outbound", cfg.outbound_addr, transparent)?;
     let in_l = bind("inbound HBONE", cfg.inbound_addr, transparent)?;
@@ -211,12 +219,14 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         state: state.clone(),
         tls,
         pool,
-        metrics,
         drain: drain.clone(),
         mark: cfg.socket_mark,
         transparent,
         own_addrs: vec![bound.outbound, bound.inbound, bound.inbound_plaintext],
         conns: Arc::default(),
+        pending: proxy::PendingHandshakes::new(limits.max_pending_handshakes, metrics.clone()),
+        metrics,
+        limits,
     });
     if ebpf.is_some() {
         // HBONE to a pod of this node stays in the process: dialled, it would leave the node's
@@ -236,18 +246,27 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let mut tasks = Vec::new();
 
     let c = ctx.clone();
-    tasks.push(tokio::spawn(proxy::accept_loop("outbound", out_l, drain.clone(), move |s, p| {
-        proxy::outbound::handle(c.clone(), s, p, None, None)
-    })));
+    tasks.push(tokio::spawn(proxy::accept_loop(
+        "outbound",
+        out_l,
+        drain.clone(),
+        ctx.metrics.clone(),
+        move |s, p| proxy::outbound::handle(c.clone(), s, p, None, None),
+    )));
     let c = ctx.clone();
-    tasks.push(tokio::spawn(proxy::accept_loop("inbound", in_l, drain.clone(), move |s, p| {
-        proxy::inbound::handle_hbone(c.clone(), s, p, None)
-    })));
+    tasks.push(tokio::spawn(proxy::accept_loop(
+        "inbound",
+        in_l,
+        drain.clone(),
+        ctx.metrics.clone(),
+        move |s, p| proxy::inbound::handle_hbone(c.clone(), s, p, None),
+    )));
     let c = ctx.clone();
     tasks.push(tokio::spawn(proxy::accept_loop(
         "inbound_plaintext",
         pt_l,
         drain.clone(),
+        ctx.metrics.clone(),
         move |s, p| proxy::inbound::handle_plaintext(c.clone(), s, p, None),
     )));
 
@@ -291,9 +310,14 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         )));
     }
 
+    let endpoint = |name, listener| admin::Endpoint {
+        name,
+        listener,
+        drain: drain.clone(),
+        accept_errors: ctx.metrics.accept_error_counter(name),
+    };
     tasks.push(tokio::spawn(admin::serve_metrics(
-        metrics_l,
-        drain.clone(),
+        endpoint("metrics", metrics_l),
         registry.clone(),
         ebpf.clone(),
     )));
@@ -301,8 +325,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let zr = zds_ready.clone();
     let dr = drain.clone();
     tasks.push(tokio::spawn(admin::serve_readiness(
-        ready_l,
-        drain.clone(),
+        endpoint("readiness", ready_l),
         Arc::new(move || {
             *cr.borrow() && *xr.borrow() && zr.load(Ordering::Acquire) && !dr.is_draining()
         }),
@@ -318,7 +341,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         ebpf_token: ebpf_token.clone(),
         log,
     });
-    tasks.push(tokio::spawn(admin::serve_admin(admin_l, drain.clone(), admin_state)));
+    tasks.push(tokio::spawn(admin::serve_admin(endpoint("admin", admin_l), admin_state)));
     tracing::info!(outbound = %bound.outbound, inbound = %bound.inbound, plaintext = %bound.inbound_plaintext,
         metrics = %bound.metrics, readiness = %bound.readiness, admin = %bound.admin, node = %cfg.node_name,
         "listening");
@@ -435,7 +458,10 @@ impl Running {
         self.ctx.drain.start();
         let left = self.ctx.drain.wait_idle(self.drain_timeout).await;
         if left > 0 {
-            tracing::warn!(left, "drain deadline reached; closing remaining connections");
+            tracing::warn!(left, "drain deadline reached; resetting remaining connections");
+            // Reset, not FIN: an application must be able to tell a cut from a complete answer.
+            self.ctx.drain.cut_all();
+            self.ctx.drain.wait_idle(Duration::from_secs(1)).await;
         } else {
             tracing::info!("drained");
         }

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -125,6 +126,19 @@ pub struct Config {
     /// `SO_MARK` on sockets the proxy opens, so redirect rules skip them (0 = none).
     pub socket_mark: u32,
     pub drain_timeout_secs: u64,
+    /// TCP connect timeout toward peers and applications, milliseconds.
+    pub connect_timeout_ms: u64,
+    /// TLS handshake timeout (either side), milliseconds.
+    pub handshake_timeout_ms: u64,
+    /// Per listener: connections still in their TLS handshake; at the cap the oldest is dropped.
+    pub max_pending_handshakes: usize,
+    /// TLS handshakes computing at once, per side; 0 = 32 per CPU of `cpu_limit`.
+    pub max_concurrent_handshakes: usize,
+    /// A pooled HBONE connection with no stream for this long is closed, seconds.
+    pub pool_idle_timeout_secs: u64,
+    /// Streams per pooled HBONE connection before the pool opens another (at most 100, the
+    /// stream limit HBONE servers announce).
+    pub pool_max_streams: usize,
     pub log_format: LogFormat,
     pub log_level: String,
     /// `auto`, `ifma` or `scalar`.
@@ -211,6 +225,12 @@ impl Default for Config {
             transparent: true,
             socket_mark: 0x539,
             drain_timeout_secs: 5,
+            connect_timeout_ms: 10_000,
+            handshake_timeout_ms: 10_000,
+            max_pending_handshakes: 1024,
+            max_concurrent_handshakes: 0,
+            pool_idle_timeout_secs: 300,
+            pool_max_streams: 100,
             log_format: LogFormat::Text,
             log_level: "info".into(),
             signer_backend: "auto".into(),
@@ -388,6 +408,25 @@ impl Config {
     }
 
     /// Cross-field checks.
+    /// The connection-path limits this configuration sets.
+    pub fn limits(&self) -> crate::net::Limits {
+        let cpus = match self.cpu_limit {
+            0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            n => n,
+        };
+        crate::net::Limits {
+            dial_timeout: Duration::from_millis(self.connect_timeout_ms),
+            handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
+            max_pending_handshakes: self.max_pending_handshakes,
+            max_concurrent_handshakes: match self.max_concurrent_handshakes {
+                0 => 32 * cpus.max(1),
+                n => n,
+            },
+            pool_idle_timeout: Duration::from_secs(self.pool_idle_timeout_secs),
+            pool_max_streams: self.pool_max_streams,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.node_name.is_empty() {
@@ -415,6 +454,22 @@ impl Config {
         }
         if !self.ebpf_enabled && !self.ebpf_uplinks.is_empty() {
             return bad("ebpf_uplinks is set but ebpf_enabled is false".into());
+        }
+        for (name, v) in [
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("handshake_timeout_ms", self.handshake_timeout_ms),
+            ("pool_idle_timeout_secs", self.pool_idle_timeout_secs),
+            ("max_pending_handshakes", self.max_pending_handshakes as u64),
+        ] {
+            if v == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
+        }
+        if !(1..=100).contains(&self.pool_max_streams) {
+            return bad(format!(
+                "pool_max_streams {} is outside 1..=100 (HBONE servers allow 100 streams)",
+                self.pool_max_streams
+            ));
         }
         if self.signer_queue_limit == 0 {
             return bad("signer_queue_limit must be at least 1".into());

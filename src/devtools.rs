@@ -79,7 +79,7 @@ pub async fn fake_cni(
         let _hello = conn.recv().await?;
         let mut reqs: Vec<(String, WorkloadRequest, Option<std::os::fd::OwnedFd>)> = Vec::new();
         for (uid, path) in &pods {
-            let fd = crate::inpod::netns::open(path)
+            let fd = crate::net::netns::open(path)
                 .with_context(|| format!("open {}", path.display()))?;
             reqs.push((format!("add {uid}"), WorkloadRequest::add(uid, None), Some(fd)));
         }

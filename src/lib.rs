@@ -13,6 +13,7 @@ pub mod identity;
 pub mod inpod;
 pub mod mb;
 pub mod metrics;
+pub mod net;
 pub mod proto;
 pub mod proxy;
 pub mod redirect;

@@ -191,6 +191,27 @@ pub struct HandshakeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerLabels {
+    pub listener: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct H2ErrorLabels {
+    /// `client` or `server`.
+    pub side: &'static str,
+    /// The HTTP/2 error code (`ENHANCE_YOUR_CALM`, `PROTOCOL_ERROR`, …) or `io`.
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AlertLabels {
+    /// `sent` or `received`.
+    pub direction: &'static str,
+    /// The RFC 8446 alert name (`certificate_unknown`, `bad_certificate`, …).
+    pub alert: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusalLabels {
     pub reason: &'static str,
 }
@@ -205,6 +226,9 @@ pub struct Metrics {
     pub refused: Family<RefusalLabels, Counter>,
     pub active_connections: Gauge,
     pub hbone_pool_connections: Gauge,
+    pub accept_errors: Family<ListenerLabels, Counter>,
+    pub h2_errors: Family<H2ErrorLabels, Counter>,
+    pub tls_alerts: Family<AlertLabels, Counter>,
 }
 
 fn handshake_histogram() -> Histogram {
@@ -224,6 +248,9 @@ impl Metrics {
             refused: Family::default(),
             active_connections: Gauge::default(),
             hbone_pool_connections: Gauge::default(),
+            accept_errors: Family::default(),
+            h2_errors: Family::default(),
+            tls_alerts: Family::default(),
         };
         let istio = registry.sub_registry_with_prefix("istio");
         istio.register("tcp_connections_opened", "Connections opened", m.opened.clone());
@@ -256,7 +283,42 @@ impl Metrics {
             "HBONE (HTTP/2) connections in the outbound pool",
             m.hbone_pool_connections.clone(),
         );
+        mbt.register(
+            "accept_errors",
+            "Failed accepts (e.g. out of file descriptors), by listener",
+            m.accept_errors.clone(),
+        );
+        mbt.register(
+            "h2_errors",
+            "HTTP/2 connections ended by a protocol error, by side and error code",
+            m.h2_errors.clone(),
+        );
+        mbt.register("tls_alerts", "TLS alerts sent and received, by alert", m.tls_alerts.clone());
         m
+    }
+
+    /// The accept-error counter of `listener`.
+    pub fn accept_error_counter(&self, listener: &'static str) -> Counter {
+        self.accept_errors.get_or_create(&ListenerLabels { listener }).clone()
+    }
+
+    /// Counts an HTTP/2 connection error, by the h2 error code when there is one.
+    pub fn h2_error(&self, side: &'static str, e: &(dyn std::error::Error + 'static)) -> String {
+        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        let mut kind = "other".to_string();
+        while let Some(x) = src {
+            if let Some(h) = x.downcast_ref::<h2::Error>() {
+                kind = match h.reason() {
+                    Some(r) => format!("{r:?}"),
+                    None if h.is_io() => "io".into(),
+                    None => "other".into(),
+                };
+                break;
+            }
+            src = x.source();
+        }
+        self.h2_errors.get_or_create(&H2ErrorLabels { side, kind: kind.clone() }).inc();
+        kind
     }
 
     pub fn refuse(&self, reason: &'static str) {

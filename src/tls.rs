@@ -2,19 +2,27 @@
 //! against the mesh root, and the peer's SPIFFE id checked on both sides — the client requires
 //! exactly the expected destination identity, the server requires its own trust domain.
 //! Private keys never sign inline: every context uses the signer's async key method.
+//!
+//! Contexts are built from scratch, per identity: nothing reads the system trust store (a context
+//! from `SslConnector::builder` would parse the whole CA bundle, ~1 MB of memory per identity).
+//! Handshakes are bounded in time and in number: at most `max_concurrent_handshakes` run at once
+//! per side, later ones wait in arrival order. A failure carries its real reason (timeout, peer
+//! closed, bad record, alert received, no certificate, wrong identity…), and a refused peer
+//! certificate is answered with the `certificate_unknown` alert.
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use boring::ssl::{
-    SslAcceptor, SslConnector, SslContextBuilder, SslMethod, SslOptions, SslSessionCacheMode,
-    SslVerifyMode, SslVersion,
+    Ssl, SslContext, SslContextBuilder, SslInfoCallbackMode, SslInfoCallbackValue, SslMethod,
+    SslOptions, SslSessionCacheMode, SslVerifyMode, SslVersion,
 };
 use boring::x509::store::X509StoreBuilder;
-use boring::x509::{X509StoreContextRef, X509};
-use tokio_boring::SslStream;
+use boring::x509::{X509StoreContextRef, X509VerifyError, X509};
+use tokio::sync::Semaphore;
+use tokio_boring::{SslStream, SslStreamBuilder};
 
 /// What TLS runs over: a TCP connection, or an in-memory pipe (same-node HBONE in eBPF mode).
 pub trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static {}
@@ -31,8 +39,12 @@ pub enum TlsError {
     Cert(String),
     #[error("TLS setup: {0}")]
     Setup(String),
-    #[error("TLS handshake failed: {0}")]
-    Handshake(String),
+    #[error("TLS handshake failed ({reason}): {detail}")]
+    Handshake { reason: &'static str, detail: String },
+    #[error("TLS handshake timed out after {0:?}")]
+    Timeout(Duration),
+    #[error("peer certificate chain rejected: {0}")]
+    Untrusted(String),
     #[error("peer presented no certificate")]
     NoPeerCert,
     #[error("peer identity {got} is not the expected {want}")]
@@ -41,6 +53,23 @@ pub enum TlsError {
     WrongTrustDomain(String, String),
     #[error("peer certificate has no valid SPIFFE id")]
     NoSpiffeId,
+}
+
+impl TlsError {
+    /// A short, fixed label for the refusal metric's `reason`.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            TlsError::Cert(_) => "tls_no_local_certificate",
+            TlsError::Setup(_) => "tls_setup",
+            TlsError::Handshake { reason, .. } => reason,
+            TlsError::Timeout(_) => "tls_timeout",
+            TlsError::Untrusted(_) => "tls_untrusted_chain",
+            TlsError::NoPeerCert => "tls_no_certificate",
+            TlsError::WrongIdentity { .. } => "tls_wrong_identity",
+            TlsError::WrongTrustDomain(..) => "tls_wrong_trust_domain",
+            TlsError::NoSpiffeId => "tls_no_spiffe_id",
+        }
+    }
 }
 
 impl From<boring::error::ErrorStack> for TlsError {
@@ -79,17 +108,22 @@ fn leaf_der(ctx: &X509StoreContextRef) -> Option<Vec<u8>> {
     ctx.current_cert().and_then(|c| c.to_der().ok())
 }
 
+/// Where a connection's verify callback leaves the reason it refused the peer's certificate.
+type Refusal = Arc<Mutex<Option<TlsError>>>;
+
 /// Verify callback body: the chain verdict for intermediate certificates, and for the leaf the
-/// chain verdict plus `accept` on its single SPIFFE id. Every refusal is logged with its reason.
+/// chain verdict plus `accept` on its single SPIFFE id. A refusal is recorded in `refusal`; a
+/// refused identity sets a verification error that BoringSSL answers with `certificate_unknown`
+/// (as ztunnel does), where a bare `false` would send `internal_error`.
 fn check_leaf(
     ok: bool,
     ctx: &mut X509StoreContextRef,
-    peer: &'static str,
+    refusal: &Refusal,
     accept: impl Fn(&Identity) -> Result<(), TlsError>,
 ) -> bool {
     if !ok {
         let e = ctx.verify_result().err().map(|e| e.to_string()).unwrap_or_default();
-        tracing::warn!(peer, error = %e, "peer certificate chain rejected");
+        refusal.lock().unwrap().get_or_insert(TlsError::Untrusted(e));
         return false;
     }
     if ctx.error_depth() != 0 {
@@ -99,7 +133,10 @@ fn check_leaf(
     match r.and_then(|id| accept(&id)) {
         Ok(()) => true,
         Err(e) => {
-            tracing::warn!(peer, error = %e, "peer certificate rejected");
+            refusal.lock().unwrap().get_or_insert(e);
+            // Any error outside BoringSSL's alert table maps to certificate_unknown; this one
+            // says "a name in the certificate is not permitted", which is what happened.
+            ctx.set_error(Err(X509VerifyError::PERMITTED_VIOLATION));
             false
         }
     }
@@ -108,8 +145,10 @@ fn check_leaf(
 /// Prebuilt contexts for one certificate.
 struct Contexts {
     serial: String,
-    acceptor: Arc<SslAcceptor>,
-    connector: Arc<SslConnector>,
+    acceptor: SslContext,
+    connector: SslContext,
+    /// Certificates in the contexts' default stores (where a system trust bundle would go).
+    default_store_objects: usize,
 }
 
 /// Builds TLS contexts from the certificate store, cached per certificate serial.
@@ -120,6 +159,10 @@ pub struct TlsProvider {
     metrics: Arc<Metrics>,
     cache: Mutex<HashMap<Identity, Arc<Contexts>>>,
     inline_signing: bool,
+    handshake_timeout: Duration,
+    /// One gate per side: handshakes computing at once, admitted in arrival order.
+    server_gate: Semaphore,
+    client_gate: Semaphore,
 }
 
 impl TlsProvider {
@@ -136,7 +179,18 @@ impl TlsProvider {
             metrics,
             cache: Mutex::new(HashMap::new()),
             inline_signing: false,
+            handshake_timeout: crate::net::Limits::default().handshake_timeout,
+            server_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
+            client_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
         }
+    }
+
+    /// Applies the handshake timeout and the concurrency bound of `limits`.
+    pub fn with_limits(mut self, limits: &crate::net::Limits) -> Self {
+        self.handshake_timeout = limits.handshake_timeout;
+        self.server_gate = Semaphore::new(limits.max_concurrent_handshakes.max(1));
+        self.client_gate = Semaphore::new(limits.max_concurrent_handshakes.max(1));
+        self
     }
 
     /// Benchmark baseline only: sign inside BoringSSL on the handshake's own thread instead of
@@ -168,10 +222,12 @@ impl TlsProvider {
                 return Ok(c.clone());
             }
         }
+        let mut n = 0;
         let c = Arc::new(Contexts {
             serial: bundle.serial.clone(),
-            acceptor: Arc::new(self.build_acceptor(&bundle)?),
-            connector: Arc::new(self.build_connector(&bundle)?),
+            acceptor: self.build_acceptor(&bundle, &mut n)?,
+            connector: self.build_connector(&bundle, &mut n)?,
+            default_store_objects: n,
         });
         self.cache.lock().unwrap().insert(id.clone(), c.clone());
         Ok(c)
@@ -186,11 +242,12 @@ impl TlsProvider {
     }
 
     /// Settings both sides share: TLS 1.3 only, no resumption, the certificate, its key through
-    /// the signer, and the mesh root for verifying the peer.
-    fn common(&self, b: &mut SslContextBuilder, bundle: &CertBundle) -> Result<(), TlsError> {
+    /// the signer, the mesh root for verifying the peer, and a log line for alerts.
+    fn common(&self, bundle: &CertBundle) -> Result<SslContextBuilder, TlsError> {
+        let mut b = SslContextBuilder::new(SslMethod::tls())?;
         b.set_min_proto_version(Some(SslVersion::TLS1_3))?;
         b.set_max_proto_version(Some(SslVersion::TLS1_3))?;
-        b.set_options(SslOptions::NO_TICKET);
+        b.set_options(SslOptions::NO_TICKET | SslOptions::CIPHER_SERVER_PREFERENCE);
         b.set_session_cache_mode(SslSessionCacheMode::OFF);
         b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
         for c in &bundle.chain_der {
@@ -202,37 +259,43 @@ impl TlsProvider {
             b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
         }
         b.set_verify_cert_store(Self::root_store(bundle)?)?;
-        Ok(())
+        let metrics = self.metrics.clone();
+        b.set_info_callback(move |_, mode, v| count_alert(&metrics, mode, v));
+        Ok(b)
     }
 
-    fn build_acceptor(&self, bundle: &CertBundle) -> Result<SslAcceptor, TlsError> {
-        let mut b = SslAcceptor::mozilla_intermediate_v5(SslMethod::tls())?;
-        self.common(&mut b, bundle)?;
+    fn build_acceptor(&self, bundle: &CertBundle, n: &mut usize) -> Result<SslContext, TlsError> {
+        let mut b = self.common(bundle)?;
         b.set_alpn_select_callback(|_, client| {
             boring::ssl::select_next_proto(b"\x02h2", client)
                 .ok_or(boring::ssl::AlpnError::ALERT_FATAL)
         });
-        let td = self.trust_domain.clone();
-        b.set_verify_callback(
-            SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT,
-            move |ok, ctx| {
-                check_leaf(ok, ctx, "client", |id| {
-                    if id.trust_domain == td {
-                        Ok(())
-                    } else {
-                        Err(TlsError::WrongTrustDomain(id.to_string(), td.clone()))
-                    }
-                })
-            },
-        );
-        Ok(b.build())
+        b.set_verify(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT);
+        let ctx = b.build();
+        *n += store_len(&ctx);
+        Ok(ctx)
     }
 
-    fn build_connector(&self, bundle: &CertBundle) -> Result<SslConnector, TlsError> {
-        let mut b = SslConnector::builder(SslMethod::tls())?;
-        self.common(&mut b, bundle)?;
+    fn build_connector(&self, bundle: &CertBundle, n: &mut usize) -> Result<SslContext, TlsError> {
+        let mut b = self.common(bundle)?;
         b.set_alpn_protos(b"\x02h2")?;
-        Ok(b.build())
+        b.set_verify(SslVerifyMode::PEER);
+        let ctx = b.build();
+        *n += store_len(&ctx);
+        Ok(ctx)
+    }
+
+    /// Objects in the default certificate store of `id`'s contexts (the store the system trust
+    /// bundle would be loaded into); `None` before the contexts are built. Tests check it is 0.
+    #[doc(hidden)]
+    pub fn default_store_objects(&self, id: &Identity) -> Option<usize> {
+        Some(self.cache.lock().unwrap().get(id)?.default_store_objects)
+    }
+
+    /// Builds the contexts of `id` now (benches and start-up).
+    #[doc(hidden)]
+    pub async fn prepare(&self, id: &Identity) -> Result<(), TlsError> {
+        self.contexts(id).await.map(|_| ())
     }
 
     fn record(&self, side: &'static str, ok: bool, start: Instant) {
@@ -241,28 +304,59 @@ impl TlsProvider {
         self.metrics.handshake_seconds.get_or_create(&l).observe(start.elapsed().as_secs_f64());
     }
 
+    /// Runs `hs` once admitted through `gate` (arrival order), within the handshake timeout.
+    async fn bounded<T>(
+        &self,
+        gate: &Semaphore,
+        hs: impl std::future::Future<Output = Result<T, TlsError>>,
+    ) -> Result<T, TlsError> {
+        let _permit = gate.acquire().await.map_err(|_| TlsError::Setup("closed".into()))?;
+        match tokio::time::timeout(self.handshake_timeout, hs).await {
+            Ok(r) => r,
+            Err(_) => Err(TlsError::Timeout(self.handshake_timeout)),
+        }
+    }
+
     /// Server side: handshake as `local` and return the peer's identity.
     pub async fn accept<S: Stream>(
         &self,
         stream: S,
         local: &Identity,
     ) -> Result<(SslStream<S>, Identity), TlsError> {
+        let ctx = self.contexts(local).await?;
         let start = Instant::now();
-        let r = async {
-            let ctx = self.contexts(local).await?;
-            let s = tokio_boring::accept(&ctx.acceptor, stream)
-                .await
-                .map_err(|e| TlsError::Handshake(handshake_error_text(&e)))?;
-            let der = s
-                .ssl()
-                .peer_certificate()
-                .ok_or(TlsError::NoPeerCert)?
-                .to_der()
-                .map_err(TlsError::from)?;
-            let peer = peer_identity_of(&der)?;
-            Ok((s, peer))
-        }
-        .await;
+        let r = self
+            .bounded(&self.server_gate, async {
+                let mut ssl = Ssl::new(&ctx.acceptor)?;
+                let refusal = Refusal::default();
+                let td = self.trust_domain.clone();
+                let slot = refusal.clone();
+                ssl.set_verify_callback(
+                    SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT,
+                    move |ok, ctx| {
+                        check_leaf(ok, ctx, &slot, |id| {
+                            if id.trust_domain == td {
+                                Ok(())
+                            } else {
+                                Err(TlsError::WrongTrustDomain(id.to_string(), td.clone()))
+                            }
+                        })
+                    },
+                );
+                let s = SslStreamBuilder::new(ssl, stream)
+                    .accept()
+                    .await
+                    .map_err(|e| handshake_error(&e, &refusal))?;
+                let der = s
+                    .ssl()
+                    .peer_certificate()
+                    .ok_or(TlsError::NoPeerCert)?
+                    .to_der()
+                    .map_err(TlsError::from)?;
+                let peer = peer_identity_of(&der)?;
+                Ok((s, peer))
+            })
+            .await;
         self.record("server", r.is_ok(), start);
         r
     }
@@ -274,36 +368,135 @@ impl TlsProvider {
         local: &Identity,
         expected: &Identity,
     ) -> Result<SslStream<S>, TlsError> {
+        let ctx = self.contexts(local).await?;
         let start = Instant::now();
-        let r = async {
-            let ctx = self.contexts(local).await?;
-            let mut cfg = ctx.connector.configure()?;
-            cfg.set_verify_hostname(false);
-            cfg.set_use_server_name_indication(false);
-            let want = expected.clone();
-            cfg.set_verify_callback(SslVerifyMode::PEER, move |ok, ctx| {
-                check_leaf(ok, ctx, "server", |id| {
-                    if *id == want {
-                        Ok(())
-                    } else {
-                        Err(TlsError::WrongIdentity { got: id.to_string(), want: want.to_string() })
-                    }
-                })
-            });
-            tokio_boring::connect(cfg, "", stream)
-                .await
-                .map_err(|e| TlsError::Handshake(handshake_error_text(&e)))
-        }
-        .await;
+        let r = self
+            .bounded(&self.client_gate, async {
+                let mut ssl = Ssl::new(&ctx.connector)?;
+                let refusal = Refusal::default();
+                let want = expected.clone();
+                let slot = refusal.clone();
+                ssl.set_verify_callback(SslVerifyMode::PEER, move |ok, ctx| {
+                    check_leaf(ok, ctx, &slot, |id| {
+                        if *id == want {
+                            Ok(())
+                        } else {
+                            Err(TlsError::WrongIdentity {
+                                got: id.to_string(),
+                                want: want.to_string(),
+                            })
+                        }
+                    })
+                });
+                SslStreamBuilder::new(ssl, stream)
+                    .connect()
+                    .await
+                    .map_err(|e| handshake_error(&e, &refusal))
+            })
+            .await;
         self.record("client", r.is_ok(), start);
         r
     }
 }
 
-fn handshake_error_text<S>(e: &tokio_boring::HandshakeError<S>) -> String {
-    if let Some(Err(v)) = e.ssl().map(|s| s.verify_result()) {
-        return format!("certificate verification failed: {v}");
+/// Certificates in a context's default store. (`objects()` is deprecated because the references
+/// it returns may be invalidated by a concurrent lookup; only the length is read, at once.)
+#[allow(deprecated)]
+fn store_len(ctx: &SslContext) -> usize {
+    ctx.cert_store().objects().len()
+}
+
+/// Counts alerts and logs them: received ones at info (the peer refused us, and says why), sent
+/// ones at debug.
+fn count_alert(metrics: &Metrics, mode: SslInfoCallbackMode, v: SslInfoCallbackValue) {
+    let SslInfoCallbackValue::Alert(a) = v else { return };
+    let alert = alert_name(a.alert());
+    let direction = if mode == SslInfoCallbackMode::READ_ALERT {
+        tracing::info!(alert, "TLS alert received from the peer");
+        "received"
+    } else if mode == SslInfoCallbackMode::WRITE_ALERT {
+        tracing::debug!(alert, "TLS alert sent to the peer");
+        "sent"
+    } else {
+        return;
+    };
+    metrics.tls_alerts.get_or_create(&crate::metrics::AlertLabels { direction, alert }).inc();
+}
+
+/// The RFC 8446 name of an alert.
+pub fn alert_name(a: boring::ssl::SslAlert) -> &'static str {
+    use boring::ssl::SslAlert as A;
+    const NAMES: &[(A, &str)] = &[
+        (A::CLOSE_NOTIFY, "close_notify"),
+        (A::UNEXPECTED_MESSAGE, "unexpected_message"),
+        (A::BAD_RECORD_MAC, "bad_record_mac"),
+        (A::RECORD_OVERFLOW, "record_overflow"),
+        (A::HANDSHAKE_FAILURE, "handshake_failure"),
+        (A::BAD_CERTIFICATE, "bad_certificate"),
+        (A::UNSUPPORTED_CERTIFICATE, "unsupported_certificate"),
+        (A::CERTIFICATE_REVOKED, "certificate_revoked"),
+        (A::CERTIFICATE_EXPIRED, "certificate_expired"),
+        (A::CERTIFICATE_UNKNOWN, "certificate_unknown"),
+        (A::ILLEGAL_PARAMETER, "illegal_parameter"),
+        (A::UNKNOWN_CA, "unknown_ca"),
+        (A::ACCESS_DENIED, "access_denied"),
+        (A::DECODE_ERROR, "decode_error"),
+        (A::DECRYPT_ERROR, "decrypt_error"),
+        (A::PROTOCOL_VERSION, "protocol_version"),
+        (A::INSUFFICIENT_SECURITY, "insufficient_security"),
+        (A::INTERNAL_ERROR, "internal_error"),
+        (A::USER_CANCELLED, "user_canceled"),
+        (A::MISSING_EXTENSION, "missing_extension"),
+        (A::UNSUPPORTED_EXTENSION, "unsupported_extension"),
+        (A::UNRECOGNIZED_NAME, "unrecognized_name"),
+        (A::CERTIFICATE_REQUIRED, "certificate_required"),
+        (A::NO_APPLICATION_PROTOCOL, "no_application_protocol"),
+    ];
+    NAMES.iter().find(|(x, _)| *x == a).map(|(_, n)| *n).unwrap_or("other")
+}
+
+/// The real reason a handshake failed: our own refusal of the peer's certificate first, then what
+/// BoringSSL's error stack or the I/O error says.
+fn handshake_error<S>(e: &tokio_boring::HandshakeError<S>, refusal: &Refusal) -> TlsError {
+    if let Some(r) = refusal.lock().unwrap().take() {
+        return r;
     }
+    let stack = e.to_string();
+    let has = |k: &str| stack.contains(k);
+    let reason = if has("ALERT") {
+        "tls_alert_received"
+    } else if has("PEER_DID_NOT_RETURN_A_CERTIFICATE") {
+        "tls_no_certificate"
+    } else if has("WRONG_VERSION_NUMBER")
+        || has("HTTP_REQUEST")
+        || has("DECODE_ERROR")
+        || has("RECORD")
+        || has("BAD_PACKET")
+        || has("UNEXPECTED_MESSAGE")
+    {
+        "tls_bad_record"
+    } else if has("NO_SHARED") || has("APPLICATION_PROTOCOL") || has("UNSUPPORTED_PROTOCOL") {
+        "tls_negotiation"
+    } else if e.as_io_error().is_some_and(|io| {
+        matches!(
+            io.kind(),
+            std::io::ErrorKind::UnexpectedEof
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::BrokenPipe
+        )
+    }) || e.code() == Some(boring::ssl::ErrorCode::ZERO_RETURN)
+        || e.code() == Some(boring::ssl::ErrorCode::SYSCALL)
+    {
+        "tls_peer_closed"
+    } else if e.as_io_error().is_some() {
+        "tls_io"
+    } else {
+        "tls_handshake"
+    };
+    TlsError::Handshake { reason, detail: handshake_error_text(e) }
+}
+
+fn handshake_error_text<S>(e: &tokio_boring::HandshakeError<S>) -> String {
     match e.as_io_error() {
         Some(io) => format!("{io}"),
         None => e.to_string(),

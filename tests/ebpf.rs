@@ -459,7 +459,7 @@ fn conn_rate(client: &Pod, dst: SocketAddr, workers: usize, secs: f64) -> f64 {
         .map(|_| {
             let fd = client.fd();
             std::thread::spawn(move || {
-                mbtunnel::inpod::netns::enter_current_thread(fd.as_fd()).expect("enter pod");
+                mbtunnel::net::netns::enter_current_thread(fd.as_fd()).expect("enter pod");
                 let mut n = 0u64;
                 while Instant::now() < end {
                     let Ok(mut s) = TcpStream::connect_timeout(&dst, Duration::from_secs(5)) else {

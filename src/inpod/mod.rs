@@ -4,7 +4,6 @@
 //! redirect rules let them through). See `proto/zds.proto` and the README.
 
 pub mod client;
-pub mod netns;
 pub mod sys;
 pub mod uds;
 pub mod zds;

@@ -7,11 +7,12 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
-use super::netns::{Netns, NetnsId};
 use super::zds::WorkloadInfo;
 use super::{INBOUND_PLAINTEXT_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use crate::identity::store::CertStore;
-use crate::proxy::{self, socket, Ctx};
+use crate::net::netns::{Netns, NetnsId};
+use crate::net::socket;
+use crate::proxy::{self, Ctx};
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum PodError {
@@ -83,7 +84,7 @@ impl InPod {
             }
         }
         let fd = fd.ok_or_else(|| PodError::NoNetns(uid.into()))?;
-        let new_id = super::netns::netns_id(std::os::fd::AsFd::as_fd(&fd))
+        let new_id = crate::net::netns::netns_id(std::os::fd::AsFd::as_fd(&fd))
             .map_err(|e| PodError::Netns { uid: uid.into(), error: e.to_string() })?;
         if let Some(old) = self.held_netns(uid) {
             if old == new_id {
@@ -152,8 +153,12 @@ impl InPod {
             let pod_uid = pod_uid.clone();
             let drain = ctx.drain.clone();
             listeners.push(match port {
-                OUTBOUND_PORT => {
-                    tokio::spawn(proxy::accept_loop("pod_outbound", l, drain, move |s, p| {
+                OUTBOUND_PORT => tokio::spawn(proxy::accept_loop(
+                    "pod_outbound",
+                    l,
+                    drain,
+                    ctx.metrics.clone(),
+                    move |s, p| {
                         proxy::outbound::handle(
                             ctx.clone(),
                             s,
@@ -161,17 +166,20 @@ impl InPod {
                             Some(ns.clone()),
                             Some(pod_uid.clone()),
                         )
-                    }))
-                }
-                INBOUND_PORT => {
-                    tokio::spawn(proxy::accept_loop("pod_inbound", l, drain, move |s, p| {
-                        proxy::inbound::handle_hbone(ctx.clone(), s, p, Some(ns.clone()))
-                    }))
-                }
+                    },
+                )),
+                INBOUND_PORT => tokio::spawn(proxy::accept_loop(
+                    "pod_inbound",
+                    l,
+                    drain,
+                    ctx.metrics.clone(),
+                    move |s, p| proxy::inbound::handle_hbone(ctx.clone(), s, p, Some(ns.clone())),
+                )),
                 _ => tokio::spawn(proxy::accept_loop(
                     "pod_inbound_plaintext",
                     l,
                     drain,
+                    ctx.metrics.clone(),
                     move |s, p| {
                         proxy::inbound::handle_plaintext(ctx.clone(), s, p, Some(ns.clone()))
                     },

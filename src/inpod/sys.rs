@@ -1,5 +1,5 @@
 //! The only `unsafe` of in-pod mode: passing file descriptors over a Unix socket
-//! (`sendmsg`/`recvmsg` with `SCM_RIGHTS`) and entering a network namespace (`setns`).
+//! (`sendmsg`/`recvmsg` with `SCM_RIGHTS`) (entering a network namespace is in `net::sys`).
 //!
 //! Invariants the callers keep: the fds passed in are open for the duration of the call (they
 //! are borrowed); received fds are wrapped in [`OwnedFd`] at once, so each is closed exactly once
@@ -113,16 +113,6 @@ pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<Receive
         truncated: msg.msg_flags & libc::MSG_TRUNC != 0,
         fds_truncated: msg.msg_flags & libc::MSG_CTRUNC != 0,
     })
-}
-
-/// Moves the calling thread into the network namespace `ns` (an fd of `/proc/<pid>/ns/net` or
-/// `/var/run/netns/<name>`). Only this thread moves; sockets it creates afterwards belong to `ns`.
-pub fn setns_net(ns: BorrowedFd<'_>) -> io::Result<()> {
-    // SAFETY: setns takes an fd and a flag; the fd is borrowed and open for the call.
-    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Registers a socket with tokio's reactor.

@@ -14,12 +14,12 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::socket::{destination, dial, DialOpts};
-use super::{copy_both, ConnRecord, Ctx};
+use super::{copy_both, drain_cut, reset_on_close, ConnRecord, Copied, Ctx};
 use crate::hbone::{parse_connect, server_builder, ConnectRefusal};
 use crate::identity::Identity;
-use crate::inpod::netns::Netns;
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
+use crate::net::netns::Netns;
+use crate::net::socket::{destination, dial};
 use crate::state::Workload;
 use crate::tls::Stream;
 
@@ -35,7 +35,28 @@ pub async fn handle_hbone(
 ) {
     // The address the client dialled: redirected (pod ip:15008) or the listener's own.
     let Some(reached) = destination(&tcp) else { return };
-    serve_hbone(ctx, tcp, peer, reached, netns).await
+    // Until its handshake is done the connection holds a pending slot; a flood of silent
+    // connections evicts its own oldest members, not the listener.
+    let pending = ctx.pending.enter();
+    let first_bytes = async {
+        // The handshake is admitted (and may wait for a turn) only once the ClientHello is
+        // arriving: a silent connection never takes a turn from one that talks.
+        let _ = tcp.readable().await;
+    };
+    tokio::select! {
+        _ = first_bytes => {}
+        // Counted as tls_pending_evicted when it happened.
+        _ = pending.evicted() => {
+            tracing::debug!(src = %peer, "HBONE connection dropped before its ClientHello: evicted");
+            return;
+        }
+        _ = tokio::time::sleep(ctx.limits.handshake_timeout) => {
+            ctx.metrics.refuse("tls_timeout");
+            tracing::debug!(src = %peer, "HBONE connection dropped: no ClientHello in time");
+            return;
+        }
+    }
+    serve_hbone_pending(ctx, tcp, peer, reached, netns, Some(pending)).await
 }
 
 /// Serves HBONE on `stream` from `peer`, which dialled `reached`: a TCP connection, or the
@@ -47,6 +68,17 @@ pub async fn serve_hbone<S: Stream>(
     reached: SocketAddr,
     netns: Option<Arc<Netns>>,
 ) {
+    serve_hbone_pending(ctx, stream, peer, reached, netns, None).await
+}
+
+async fn serve_hbone_pending<S: Stream>(
+    ctx: Arc<Ctx>,
+    stream: S,
+    peer: SocketAddr,
+    reached: SocketAddr,
+    netns: Option<Arc<Netns>>,
+    pending: Option<super::Pending>,
+) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let span = tracing::info_span!("inbound", id, src = %peer, dst = %reached);
     async move {
@@ -56,11 +88,25 @@ pub async fn serve_hbone<S: Stream>(
             return;
         };
         let local_id = ctx.state.identity_of(&local);
-        let (tls, peer_id) = match ctx.tls.accept(stream, &local_id).await {
+        let evicted = async {
+            match &pending {
+                Some(p) => p.evicted().await,
+                None => std::future::pending().await,
+            }
+        };
+        let accepted = tokio::select! {
+            r = ctx.tls.accept(stream, &local_id) => r,
+            _ = evicted => {
+                tracing::debug!("handshake dropped: evicted by newer connections");
+                return;
+            }
+        };
+        drop(pending);
+        let (tls, peer_id) = match accepted {
             Ok(x) => x,
             Err(e) => {
-                ctx.metrics.refuse("tls_handshake");
-                tracing::warn!(error = %e, "refused: TLS handshake with peer failed");
+                ctx.metrics.refuse(e.reason());
+                tracing::warn!(error = %e, reason = e.reason(), "refused: TLS handshake with peer failed");
                 return;
             }
         };
@@ -80,7 +126,10 @@ pub async fn serve_hbone<S: Stream>(
         let conn = server_builder().serve_connection(TokioIo::new(tls), service);
         tokio::pin!(conn);
         tokio::select! {
-            r = conn.as_mut() => if let Err(e) = r { tracing::debug!(error = %e, "HBONE connection ended") },
+            r = conn.as_mut() => if let Err(e) = r {
+                let kind = ctx.metrics.h2_error("server", &e);
+                tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+            },
             _ = ctx.drain.signaled() => {
                 // GOAWAY: no new streams; streams in flight finish.
                 conn.as_mut().graceful_shutdown();
@@ -137,7 +186,7 @@ async fn serve_connect(
         return status(StatusCode::UNAUTHORIZED);
     }
     let source = ctx.transparent.then_some(peer.ip());
-    let upstream = match dial(target, DialOpts { mark: ctx.mark, source, netns }).await {
+    let upstream = match dial(target, ctx.dial_opts(source, netns)).await {
         Ok(u) => u,
         Err(e) => return refuse(ConnectRefusal::Upstream(target, e.to_string())),
     };
@@ -150,8 +199,11 @@ async fn serve_connect(
             match upgrade.await {
                 Ok(up) => {
                     let mut up = TokioIo::new(up);
-                    let (rx, tx, r) = copy_until_revoked(&mut up, &mut upstream, tracked).await;
-                    rec.close(rx, tx, r);
+                    let c = copy_until_revoked(&mut up, &mut upstream, tracked, &ctx.drain).await;
+                    if c.result.is_err() {
+                        reset_on_close(&upstream);
+                    }
+                    rec.finish(c);
                 }
                 Err(e) => rec.close(0, 0, Err(format!("upgrade: {e}"))),
             }
@@ -188,13 +240,14 @@ fn authorize(
     Err(reason)
 }
 
-/// Copies both ways until done, or until the registry says the connection must close (its
-/// authorization was revoked): then both sides are dropped and the error names the reason.
+/// Copies both ways until done, until the registry says the connection must close (its
+/// authorization was revoked), or until the drain deadline cuts it.
 async fn copy_until_revoked<A, B>(
     a: &mut A,
     b: &mut B,
     mut tracked: crate::proxy::Registered,
-) -> (u64, u64, Result<(), String>)
+    drain: &super::Drain,
+) -> Copied
 where
     A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
     B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
@@ -203,14 +256,17 @@ where
         let r =
             tracked.closed.wait_for(|c| c.is_some()).await.map(|r| r.clone().unwrap_or_default());
         match r {
-            Ok(reason) => reason,
+            Ok(reason) => format!("closed: authorization revoked ({reason})"),
             Err(_) => std::future::pending().await,
         }
     };
-    tokio::select! {
-        r = copy_both(a, b) => r,
-        reason = revoked => (0, 0, Err(format!("closed: authorization revoked ({reason})"))),
-    }
+    let stop = async {
+        tokio::select! {
+            r = revoked => r,
+            r = drain_cut(drain) => r,
+        }
+    };
+    copy_both(a, b, stop).await
 }
 
 /// Inbound plaintext (15006): a connection redirected to a local workload, passed through as is.
@@ -246,18 +302,25 @@ pub async fn handle_plaintext(
         if let Err(reason) = authorize(&ctx, &dst_wl, None, peer.ip(), dst) {
             ConnRecord::denied(&ctx, peer, dst, labels, &reason);
             // Reset, not FIN: the client must not mistake a refusal for an empty answer.
-            let _ = socket2::SockRef::from(&client).set_linger(Some(std::time::Duration::ZERO));
+            reset_on_close(&client);
             return;
         }
         let rec = ConnRecord::open(&ctx, peer, dst, labels);
         let source = ctx.transparent.then_some(peer.ip());
-        match dial(dst, DialOpts { mark: ctx.mark, source, netns: netns.as_deref() }).await {
+        match dial(dst, ctx.dial_opts(source, netns.as_deref())).await {
             Ok(mut up) => {
                 let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
-                let (rx, tx, r) = copy_until_revoked(&mut client, &mut up, tracked).await;
-                rec.close(rx, tx, r);
+                let c = copy_until_revoked(&mut client, &mut up, tracked, &ctx.drain).await;
+                if c.result.is_err() {
+                    reset_on_close(&client);
+                    reset_on_close(&up);
+                }
+                rec.finish(c);
             }
-            Err(e) => rec.close(0, 0, Err(format!("connect {dst}: {e}"))),
+            Err(e) => {
+                reset_on_close(&client);
+                rec.close(0, 0, Err(format!("connect {dst}: {e}")))
+            }
         }
     }
     .instrument(span)

@@ -4,7 +4,6 @@
 
 pub mod inbound;
 pub mod outbound;
-pub mod socket;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,12 +30,100 @@ pub struct Ctx {
     pub own_addrs: Vec<SocketAddr>,
     /// Open inbound connections, re-checked when authorization changes.
     pub conns: Arc<ConnRegistry>,
+    /// Timeouts and caps on the connection path.
+    pub limits: crate::net::Limits,
+    /// Inbound HBONE connections still in their TLS handshake (all 15008 listeners).
+    pub pending: Arc<PendingHandshakes>,
+}
+
+impl Ctx {
+    /// Options for a socket toward the network or an application.
+    pub fn dial_opts<'a>(
+        &self,
+        source: Option<std::net::IpAddr>,
+        netns: Option<&'a crate::net::netns::Netns>,
+    ) -> crate::net::socket::DialOpts<'a> {
+        crate::net::socket::DialOpts {
+            mark: self.mark,
+            source,
+            netns,
+            timeout: self.limits.dial_timeout,
+        }
+    }
+}
+
+/// Connections that have not finished their TLS handshake, oldest first, at most `cap`. A new
+/// one at the cap evicts the oldest: silent or half-sent handshakes cannot fill the proxy's
+/// file descriptors and lock legitimate clients out, and a legitimate handshake, which takes
+/// milliseconds, is not the oldest for long.
+pub struct PendingHandshakes {
+    cap: usize,
+    next: std::sync::atomic::AtomicU64,
+    queue: std::sync::Mutex<std::collections::BTreeMap<u64, Arc<Notify>>>,
+    metrics: Arc<Metrics>,
+}
+
+/// One pending handshake's place; leaves the queue when dropped.
+pub struct Pending {
+    owner: Arc<PendingHandshakes>,
+    id: u64,
+    evicted: Arc<Notify>,
+}
+
+impl Pending {
+    /// Resolves when a newer connection took this one's place.
+    pub async fn evicted(&self) {
+        self.evicted.notified().await
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.owner.queue.lock().unwrap().remove(&self.id);
+    }
+}
+
+impl PendingHandshakes {
+    pub fn new(cap: usize, metrics: Arc<Metrics>) -> Arc<PendingHandshakes> {
+        Arc::new(PendingHandshakes {
+            cap: cap.max(1),
+            next: Default::default(),
+            queue: Default::default(),
+            metrics,
+        })
+    }
+
+    /// Registers a new connection, evicting the oldest when at the cap.
+    pub fn enter(self: &Arc<Self>) -> Pending {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let evicted = Arc::new(Notify::new());
+        let mut q = self.queue.lock().unwrap();
+        if q.len() >= self.cap {
+            if let Some((_, oldest)) = q.pop_first() {
+                // notify_one keeps the wake-up even if the victim is not waiting yet.
+                oldest.notify_one();
+                self.metrics.refuse("tls_pending_evicted");
+            }
+        }
+        q.insert(id, evicted.clone());
+        Pending { owner: self.clone(), id, evicted }
+    }
+
+    pub fn len(&self) -> usize {
+        self.queue.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// Shutdown coordination: a trigger, watchers, and a count of in-flight connections.
 #[derive(Clone)]
 pub struct Drain {
     tx: Arc<watch::Sender<bool>>,
+    /// Set at the drain deadline: connections still open are cut (reset).
+    cut: Arc<watch::Sender<bool>>,
     active: Arc<AtomicUsize>,
     idle: Arc<Notify>,
 }
@@ -45,6 +132,7 @@ impl Default for Drain {
     fn default() -> Self {
         Drain {
             tx: Arc::new(watch::channel(false).0),
+            cut: Arc::new(watch::channel(false).0),
             active: Arc::new(AtomicUsize::new(0)),
             idle: Arc::new(Notify::new()),
         }
@@ -75,6 +163,17 @@ impl Drain {
     pub async fn signaled(&self) {
         let mut rx = self.tx.subscribe();
         let _ = rx.wait_for(|d| *d).await;
+    }
+
+    /// Cuts every connection still open (the drain deadline passed).
+    pub fn cut_all(&self) {
+        self.cut.send_replace(true);
+    }
+
+    /// Resolves when open connections must be cut.
+    pub async fn cut(&self) {
+        let mut rx = self.cut.subscribe();
+        let _ = rx.wait_for(|c| *c).await;
     }
 
     pub fn guard(&self) -> DrainGuard {
@@ -144,6 +243,11 @@ impl ConnRecord {
             "connection denied");
     }
 
+    /// Closes the record with what the copy moved (client → destination, destination → client).
+    pub fn finish(self, c: Copied) {
+        self.close(c.ab, c.ba, c.result)
+    }
+
     /// Closes the record: `received` = bytes from the client toward the destination, `sent` =
     /// bytes back to the client (Istio's meaning of the TCP byte counters).
     pub fn close(mut self, received: u64, sent: u64, result: Result<(), String>) {
@@ -171,16 +275,182 @@ impl ConnRecord {
     }
 }
 
-/// Copies both ways until both sides closed, handling half-close; returns (a→b, b→a) bytes.
-pub async fn copy_both<A, B>(a: &mut A, b: &mut B) -> (u64, u64, Result<(), String>)
+/// What one proxied connection moved: `ab` from the first side to the second, `ba` back, counted
+/// as the bytes are written, so a connection that fails half-way reports what it moved.
+#[derive(Debug)]
+pub struct Copied {
+    pub ab: u64,
+    pub ba: u64,
+    pub result: Result<(), String>,
+}
+
+/// One direction of a copy: a buffer, what it holds, and what was written.
+struct Half {
+    buf: Vec<u8>,
+    pos: usize,
+    cap: usize,
+    written: u64,
+    eof: bool,
+    unflushed: bool,
+    done: bool,
+}
+
+const COPY_BUFFER: usize = 64 * 1024;
+
+impl Half {
+    fn new() -> Half {
+        Half {
+            buf: Vec::new(),
+            pos: 0,
+            cap: 0,
+            written: 0,
+            eof: false,
+            unflushed: false,
+            done: false,
+        }
+    }
+
+    /// Moves bytes from `r` to `w` until `r` ends (then shuts `w` down), an error, or pending.
+    fn poll_copy<R, W>(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        mut r: std::pin::Pin<&mut R>,
+        mut w: std::pin::Pin<&mut W>,
+    ) -> std::task::Poll<std::io::Result<()>>
+    where
+        R: tokio::io::AsyncRead + ?Sized,
+        W: tokio::io::AsyncWrite + ?Sized,
+    {
+        use std::task::{ready, Poll};
+        loop {
+            if self.pos == self.cap && !self.eof {
+                if self.buf.is_empty() {
+                    // Allocated on first use: an idle connection holds no buffer.
+                    self.buf = vec![0; COPY_BUFFER];
+                }
+                let mut rb = tokio::io::ReadBuf::new(&mut self.buf);
+                match r.as_mut().poll_read(cx, &mut rb) {
+                    Poll::Ready(Ok(())) => {
+                        let n = rb.filled().len();
+                        if n == 0 {
+                            self.eof = true;
+                        } else {
+                            (self.pos, self.cap) = (0, n);
+                        }
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => {
+                        // Nothing more to read now: push out what was written.
+                        if self.unflushed {
+                            ready!(w.as_mut().poll_flush(cx))?;
+                            self.unflushed = false;
+                        }
+                        return Poll::Pending;
+                    }
+                }
+            }
+            while self.pos < self.cap {
+                let n = ready!(w.as_mut().poll_write(cx, &self.buf[self.pos..self.cap]))?;
+                if n == 0 {
+                    return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
+                }
+                self.pos += n;
+                self.written += n as u64;
+                self.unflushed = true;
+            }
+            if self.eof {
+                ready!(w.as_mut().poll_flush(cx))?;
+                ready!(w.as_mut().poll_shutdown(cx))?;
+                return Poll::Ready(Ok(()));
+            }
+        }
+    }
+}
+
+/// Copies both ways until both sides closed (a side that ends has the other's write side shut
+/// down: half-close), an error, or `stop` resolves with a reason. Bytes moved are reported in
+/// every case. The caller resets its TCP sockets when the result is an error, so the peers see a
+/// reset rather than a clean end they would take for success.
+pub async fn copy_both<A, B>(
+    a: &mut A,
+    b: &mut B,
+    stop: impl std::future::Future<Output = String>,
+) -> Copied
 where
     A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
     B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
 {
-    // copy_bidirectional shuts down the write side of one peer when the other reaches EOF.
-    match tokio::io::copy_bidirectional_with_sizes(a, b, 64 * 1024, 64 * 1024).await {
-        Ok((ab, ba)) => (ab, ba, Ok(())),
-        Err(e) => (0, 0, Err(e.to_string())),
+    use std::pin::Pin;
+    use std::task::Poll;
+    let (mut ab, mut ba) = (Half::new(), Half::new());
+    let mut stop = std::pin::pin!(stop);
+    let result = std::future::poll_fn(|cx| {
+        if let Poll::Ready(reason) = stop.as_mut().poll(cx) {
+            return Poll::Ready(Err(reason));
+        }
+        if !ab.done {
+            match ab.poll_copy(cx, Pin::new(&mut *a), Pin::new(&mut *b)) {
+                Poll::Ready(Ok(())) => ab.done = true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.to_string())),
+                Poll::Pending => {}
+            }
+        }
+        if !ba.done {
+            match ba.poll_copy(cx, Pin::new(&mut *b), Pin::new(&mut *a)) {
+                Poll::Ready(Ok(())) => ba.done = true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.to_string())),
+                Poll::Pending => {}
+            }
+        }
+        if ab.done && ba.done {
+            Poll::Ready(Ok(()))
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    Copied { ab: ab.written, ba: ba.written, result }
+}
+
+/// Resets a TCP connection when it is dropped (`SO_LINGER` 0: RST instead of FIN), so that a
+/// cut connection is never mistaken for a complete one.
+pub fn reset_on_close(s: &tokio::net::TcpStream) {
+    let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
+}
+
+/// The reason a connection must stop early: the drain deadline passed.
+pub async fn drain_cut(drain: &Drain) -> String {
+    drain.cut().await;
+    "cut at the drain deadline".to_string()
+}
+
+/// Accepts one connection, backing off on errors (EMFILE and the like would otherwise spin):
+/// 5 ms doubling to 1 s while errors repeat. Each error is counted and logged at most once a
+/// second.
+pub async fn accept_backing_off(
+    name: &'static str,
+    listener: &tokio::net::TcpListener,
+    errors: &prometheus_client::metrics::counter::Counter,
+    backoff: &mut Duration,
+    last_log: &mut Option<Instant>,
+) -> (tokio::net::TcpStream, SocketAddr) {
+    loop {
+        match listener.accept().await {
+            Ok(x) => {
+                *backoff = Duration::ZERO;
+                return x;
+            }
+            Err(e) => {
+                errors.inc();
+                if last_log.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+                    *last_log = Some(Instant::now());
+                    tracing::warn!(listener = name, error = %e, total = errors.get(),
+                        "accept failed; backing off");
+                }
+                *backoff = (*backoff * 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
+                tokio::time::sleep(*backoff).await;
+            }
+        }
     }
 }
 
@@ -189,11 +459,14 @@ pub async fn accept_loop<F, Fut>(
     name: &'static str,
     listener: tokio::net::TcpListener,
     drain: Drain,
+    metrics: Arc<Metrics>,
     handle: F,
 ) where
     F: Fn(tokio::net::TcpStream, SocketAddr) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    let errors = metrics.accept_error_counter(name);
+    let (mut backoff, mut last_log) = (Duration::ZERO, None);
     loop {
         tokio::select! {
             biased;
@@ -201,16 +474,10 @@ pub async fn accept_loop<F, Fut>(
                 tracing::info!(listener = name, "draining: stopped accepting");
                 return;
             }
-            r = listener.accept() => match r {
-                Ok((s, peer)) => {
-                    let _ = s.set_nodelay(true);
-                    // A dual-stack listener reports IPv4 peers as ::ffff:a.b.c.d.
-                    tokio::spawn(handle(s, socket::canonical(peer)));
-                }
-                Err(e) => {
-                    tracing::warn!(listener = name, error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
+            (s, peer) = accept_backing_off(name, &listener, &errors, &mut backoff, &mut last_log) => {
+                let _ = s.set_nodelay(true);
+                // A dual-stack listener reports IPv4 peers as ::ffff:a.b.c.d.
+                tokio::spawn(handle(s, crate::net::socket::canonical(peer)));
             }
         }
     }

@@ -7,12 +7,12 @@ use std::sync::Arc;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::socket::{destination, dial, original_dst, DialOpts};
-use super::{copy_both, ConnRecord, Ctx};
+use super::{copy_both, drain_cut, reset_on_close, ConnRecord, Ctx};
 use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey};
-use crate::inpod::netns::Netns;
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
+use crate::net::netns::Netns;
+use crate::net::socket::{destination, dial, original_dst};
 use crate::state::Protocol;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -29,7 +29,11 @@ pub async fn handle(
     pod_uid: Option<Arc<str>>,
 ) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let redirected = original_dst(&client);
+    // Conntrack answers SO_ORIGINAL_DST for any tracked connection, redirected or not: "not
+    // redirected" is then an original destination equal to the socket's own address.
+    let local = client.local_addr().ok().map(crate::net::socket::canonical);
+    let redirected =
+        original_dst(&client).map(crate::net::socket::canonical).filter(|d| Some(*d) != local);
     let dst = match destination(&client) {
         Some(d) => d,
         None => return,
@@ -51,10 +55,7 @@ pub async fn handle(
             .any(|a| *a == dst || (a.ip().is_unspecified() && a.port() == dst.port()));
         // In a pod, a connection that reached 15001 without being redirected was dialled to the
         // proxy's port itself (e.g. 127.0.0.1:15001): passing it through would dial it again.
-        // (Conntrack answers SO_ORIGINAL_DST for any tracked connection: "not redirected" is an
-        // original destination equal to the local address.)
-        let direct_in_pod =
-            netns.is_some() && redirected.is_none_or(|r| Some(r) == client.local_addr().ok());
+        let direct_in_pod = netns.is_some() && redirected.is_none();
         if direct_in_pod || (is_own && (redirected.is_some() || upstream.is_none())) {
             ctx.metrics.refuse("loop");
             tracing::warn!("refused: connection to the proxy's own listener would loop");
@@ -78,14 +79,19 @@ pub async fn handle(
                 src_wl.as_ref().map(|w| ctx.state.identity_of(w).to_string()),
             );
             let rec = ConnRecord::open(&ctx, peer, dst, labels);
-            match dial(dst, DialOpts { mark: ctx.mark, source: None, netns: netns.as_deref() })
-                .await
-            {
+            match dial(dst, ctx.dial_opts(None, netns.as_deref())).await {
                 Ok(mut up) => {
-                    let (rx, tx, r) = copy_both(&mut client, &mut up).await;
-                    rec.close(rx, tx, r);
+                    let c = copy_both(&mut client, &mut up, drain_cut(&ctx.drain)).await;
+                    if c.result.is_err() {
+                        reset_on_close(&client);
+                        reset_on_close(&up);
+                    }
+                    rec.finish(c);
                 }
-                Err(e) => rec.close(0, 0, Err(format!("connect {dst}: {e}"))),
+                Err(e) => {
+                    reset_on_close(&client);
+                    rec.close(0, 0, Err(format!("connect {dst}: {e}")))
+                }
             }
             return;
         };
@@ -107,17 +113,19 @@ pub async fn handle(
         let rec = ConnRecord::open(&ctx, peer, upstream.target, labels);
         match upstream.protocol {
             Protocol::Tcp => {
-                match dial(
-                    upstream.target,
-                    DialOpts { mark: ctx.mark, source: None, netns: netns.as_deref() },
-                )
-                .await
-                {
+                match dial(upstream.target, ctx.dial_opts(None, netns.as_deref())).await {
                     Ok(mut up) => {
-                        let (rx, tx, r) = copy_both(&mut client, &mut up).await;
-                        rec.close(rx, tx, r);
+                        let c = copy_both(&mut client, &mut up, drain_cut(&ctx.drain)).await;
+                        if c.result.is_err() {
+                            reset_on_close(&client);
+                            reset_on_close(&up);
+                        }
+                        rec.finish(c);
                     }
-                    Err(e) => rec.close(0, 0, Err(format!("connect {}: {e}", upstream.target))),
+                    Err(e) => {
+                        reset_on_close(&client);
+                        rec.close(0, 0, Err(format!("connect {}: {e}", upstream.target)))
+                    }
                 }
             }
             Protocol::Hbone => {
@@ -130,12 +138,15 @@ pub async fn handle(
                     ),
                 };
                 match ctx.pool.tunnel(&key, upstream.target, &headers, netns.as_deref()).await {
-                    Ok(tunnel) => {
-                        let mut tunnel = hyper_util::rt::TokioIo::new(tunnel);
-                        let (rx, tx, r) = copy_both(&mut client, &mut tunnel).await;
-                        rec.close(rx, tx, r);
+                    Ok(mut tunnel) => {
+                        let c = copy_both(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await;
+                        if c.result.is_err() {
+                            reset_on_close(&client);
+                        }
+                        rec.finish(c);
                     }
                     Err(HboneError::Status(http::StatusCode::UNAUTHORIZED)) => {
+                        reset_on_close(&client);
                         ctx.metrics.refuse("denied_by_destination");
                         rec.close(
                             0,
@@ -148,8 +159,9 @@ pub async fn handle(
                         );
                     }
                     Err(e) => {
-                        if matches!(e, HboneError::Tls(_)) {
-                            ctx.metrics.refuse("tls_handshake");
+                        reset_on_close(&client);
+                        if let HboneError::Tls(t) = &e {
+                            ctx.metrics.refuse(t.reason());
                         }
                         rec.close(
                             0,

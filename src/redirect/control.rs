@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
 
-use crate::inpod::netns::{self, Netns};
+use crate::net::netns::{self, Netns};
 
 /// The running proxy's admin API, and the token its changes need.
 pub struct Admin {

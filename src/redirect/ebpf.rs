@@ -33,7 +33,7 @@ use prometheus_client::registry::Registry;
 use serde_json::json;
 
 use super::RedirectError;
-use crate::inpod::netns::{self, Netns};
+use crate::net::netns::{self, Netns};
 
 /// The compiled classifiers (build.rs runs clang on `mbtunnel.bpf.c`).
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mbtunnel.bpf.o"));

@@ -19,7 +19,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use crate::inpod::netns::{open, Netns};
+use crate::net::netns::{open, Netns};
 pub mod control;
 pub mod ebpf;
 

@@ -13,7 +13,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use mbtunnel::inpod::netns::{self, Netns};
+use mbtunnel::net::netns::{self, Netns};
 
 static NEXT: AtomicU32 = AtomicU32::new(1);
 const PREFIX: &str = "mbtt";
@@ -50,15 +50,25 @@ pub fn skip_reason() -> Option<String> {
     }
 }
 
-/// Skips the calling test (returns from it) with a printed reason when namespaces are unavailable.
+/// Skips the calling test (returns from it) with a printed reason when namespaces are unavailable;
+/// under `REQUIRE_NETNS=1` (CI runs as root and sets it) a skip is a failure instead.
 #[macro_export]
 macro_rules! require_netns {
     () => {
         if let Some(why) = common::netns::skip_reason() {
-            eprintln!("SKIPPED {}: {why}", std::thread::current().name().unwrap_or("test"));
+            common::netns::skip_or_fail(&why);
             return;
         }
     };
+}
+
+/// Prints why a namespace test is skipped, or panics under `REQUIRE_NETNS=1`.
+pub fn skip_or_fail(why: &str) {
+    let name = std::thread::current().name().unwrap_or("test").to_string();
+    if std::env::var("REQUIRE_NETNS").as_deref() == Ok("1") {
+        panic!("{name} cannot run, and REQUIRE_NETNS=1 makes that a failure: {why}");
+    }
+    eprintln!("SKIPPED {name}: {why}");
 }
 
 /// Why IPv6 cannot be used in the namespaces, if it cannot.

@@ -1,0 +1,328 @@
+//! The outbound HBONE connection pool, with ztunnel's semantics:
+//! - connections are shared by key (source identity, destination identity, destination address,
+//!   source IP);
+//! - the first connection of a key is opened once however many callers want it at that moment
+//!   (single-flight): the others wait for it, and share its failure if it fails;
+//! - a connection carries at most `pool_max_streams` tunnels; the next caller opens another
+//!   connection instead of queueing behind the peer's stream limit;
+//! - a connection without streams for `pool_idle_timeout` is closed by a timer.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper::client::conn::http2::SendRequest;
+
+use super::client::{self, ConnectHeaders, Tunnel};
+use super::HboneError;
+use crate::identity::Identity;
+use crate::metrics::Metrics;
+use crate::net::netns::Netns;
+use crate::net::socket::{dial, DialOpts};
+use crate::net::Limits;
+use crate::tls::TlsProvider;
+
+/// What makes two outbound connections shareable.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct PoolKey {
+    pub src_id: Identity,
+    pub dst_id: Identity,
+    pub dst: SocketAddr,
+    pub src_ip: IpAddr,
+}
+
+/// Opens HBONE to a workload of this node without the network. Given the HBONE address and the
+/// client's address, returns the client end of an in-memory pipe whose other end the inbound side
+/// serves, or `None` when the address is not a workload of this node. Used in eBPF mode, where a
+/// dial to a local pod's 15008 would leave the node's namespace toward the pod itself.
+pub type LocalConnector =
+    Box<dyn Fn(SocketAddr, SocketAddr) -> Option<tokio::io::DuplexStream> + Send + Sync>;
+
+/// One pooled h2 connection.
+struct Conn {
+    sender: SendRequest<Empty<Bytes>>,
+    /// Tunnels open on it now.
+    streams: AtomicUsize,
+    /// When the last tunnel on it closed (or when it opened).
+    idle_since: Mutex<Instant>,
+}
+
+/// A tunnel's claim on a stream slot of a pooled connection.
+pub struct Lease {
+    conn: Arc<Conn>,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.conn.streams.fetch_sub(1, Ordering::AcqRel) == 1 {
+            *self.conn.idle_since.lock().unwrap() = Instant::now();
+        }
+    }
+}
+
+/// The connections of one key.
+#[derive(Default)]
+struct KeyPool {
+    conns: Mutex<Vec<Arc<Conn>>>,
+    /// Held while a connection of this key is being opened (single-flight).
+    opening: tokio::sync::Mutex<()>,
+    /// Opening attempts made so far, and the last failure with the attempt number it ended.
+    attempts: AtomicU64,
+    failure: Mutex<Option<(u64, String)>>,
+}
+
+impl KeyPool {
+    /// A stream slot on a live connection with room, if there is one.
+    fn lease(&self, max_streams: usize) -> Option<Lease> {
+        let conns = self.conns.lock().unwrap();
+        let c = conns
+            .iter()
+            .find(|c| !c.sender.is_closed() && c.streams.load(Ordering::Acquire) < max_streams)?;
+        c.streams.fetch_add(1, Ordering::AcqRel);
+        Some(Lease { conn: c.clone() })
+    }
+}
+
+/// The outbound HBONE connection pool.
+pub struct Pool {
+    tls: Arc<TlsProvider>,
+    metrics: Arc<Metrics>,
+    mark: u32,
+    transparent: bool,
+    limits: Limits,
+    keys: Mutex<HashMap<PoolKey, Arc<KeyPool>>>,
+    local: OnceLock<LocalConnector>,
+    /// Connections in the pool (mirrors the `hbone_pool_connections` gauge).
+    size: AtomicUsize,
+}
+
+impl Pool {
+    /// A pool; its idle timer runs once [`Pool::start_idle_timer`] is called.
+    pub fn new(
+        tls: Arc<TlsProvider>,
+        metrics: Arc<Metrics>,
+        mark: u32,
+        transparent: bool,
+        limits: Limits,
+    ) -> Pool {
+        Pool {
+            tls,
+            metrics,
+            mark,
+            transparent,
+            limits,
+            keys: Mutex::new(HashMap::new()),
+            local: OnceLock::new(),
+            size: AtomicUsize::new(0),
+        }
+    }
+
+    /// Closes connections idle for `pool_idle_timeout`, checking a few times per timeout; the
+    /// task ends when the pool is dropped.
+    pub fn start_idle_timer(self: &Arc<Self>) {
+        let weak: Weak<Pool> = Arc::downgrade(self);
+        let every = (self.limits.pool_idle_timeout / 4)
+            .clamp(Duration::from_millis(50), Duration::from_secs(30));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(pool) = weak.upgrade() else { return };
+                pool.close_idle();
+            }
+        });
+    }
+
+    /// Drops connections that closed, or that have had no stream for the idle timeout, and keys
+    /// left without connections. Dropping the last sender ends the h2 connection.
+    pub fn close_idle(&self) -> usize {
+        let idle = self.limits.pool_idle_timeout;
+        let mut removed = 0;
+        let mut keys = self.keys.lock().unwrap();
+        keys.retain(|_, kp| {
+            let mut conns = kp.conns.lock().unwrap();
+            let before = conns.len();
+            conns.retain(|c| {
+                !c.sender.is_closed()
+                    && (c.streams.load(Ordering::Acquire) > 0
+                        || c.idle_since.lock().unwrap().elapsed() < idle)
+            });
+            removed += before - conns.len();
+            // A key being opened right now stays (its opener will add to it).
+            !conns.is_empty() || kp.opening.try_lock().is_err()
+        });
+        drop(keys);
+        if removed > 0 {
+            self.size.fetch_sub(removed, Ordering::AcqRel);
+            self.metrics.hbone_pool_connections.dec_by(removed as i64);
+            tracing::debug!(closed = removed, "closed idle HBONE connections");
+        }
+        removed
+    }
+
+    /// Routes HBONE to this node's own workloads through `f` (set once, at start-up).
+    pub fn set_local_connector(&self, f: LocalConnector) {
+        let _ = self.local.set(f);
+    }
+
+    /// Number of live pooled connections.
+    pub fn len(&self) -> usize {
+        let keys = self.keys.lock().unwrap();
+        keys.values()
+            .map(|kp| kp.conns.lock().unwrap().iter().filter(|c| !c.sender.is_closed()).count())
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn key_pool(&self, key: &PoolKey) -> Arc<KeyPool> {
+        self.keys.lock().unwrap().entry(key.clone()).or_default().clone()
+    }
+
+    /// Opens the TLS + h2 connection for `key`.
+    async fn connect(
+        &self,
+        key: &PoolKey,
+        netns: Option<&Netns>,
+    ) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
+        if let Some(pipe) =
+            self.local.get().and_then(|f| f(key.dst, SocketAddr::new(key.src_ip, 0)))
+        {
+            let tls = self.tls.connect(pipe, &key.src_id, &key.dst_id).await?;
+            return self.h2(key, client::handshake(tls, key.dst, self.metrics.clone())).await;
+        }
+        let source = self.transparent.then_some(key.src_ip);
+        let opts = DialOpts { mark: self.mark, source, netns, timeout: self.limits.dial_timeout };
+        let tcp = dial(key.dst, opts).await.map_err(|e| HboneError::Connect(key.dst, e))?;
+        let tls = self.tls.connect(tcp, &key.src_id, &key.dst_id).await?;
+        self.h2(key, client::handshake(tls, key.dst, self.metrics.clone())).await
+    }
+
+    async fn h2(
+        &self,
+        key: &PoolKey,
+        f: impl std::future::Future<Output = Result<SendRequest<Empty<Bytes>>, HboneError>>,
+    ) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
+        match tokio::time::timeout(self.limits.handshake_timeout, f).await {
+            Ok(r) => r,
+            Err(_) => Err(HboneError::H2(format!("HTTP/2 handshake with {} timed out", key.dst))),
+        }
+    }
+
+    /// A stream slot for `key`: on a pooled connection with room, else on a new connection,
+    /// opened once for all the callers that need one at the same moment.
+    async fn lease(
+        &self,
+        kp: &KeyPool,
+        key: &PoolKey,
+        netns: Option<&Netns>,
+    ) -> Result<Lease, HboneError> {
+        let max = self.limits.pool_max_streams;
+        if let Some(l) = kp.lease(max) {
+            return Ok(l);
+        }
+        let seen = kp.attempts.load(Ordering::Acquire);
+        let _opening = kp.opening.lock().await;
+        // While this caller waited, another may have opened a connection with room...
+        if let Some(l) = kp.lease(max) {
+            return Ok(l);
+        }
+        // ...or failed to: then this caller fails the same way instead of trying again at once.
+        if let Some((n, e)) = kp.failure.lock().unwrap().clone() {
+            if n > seen {
+                return Err(HboneError::Shared(e));
+            }
+        }
+        let r = self.connect(key, netns).await;
+        let n = kp.attempts.fetch_add(1, Ordering::AcqRel) + 1;
+        let sender = match r {
+            Ok(s) => s,
+            Err(e) => {
+                *kp.failure.lock().unwrap() = Some((n, e.to_string()));
+                return Err(e);
+            }
+        };
+        let conn = Arc::new(Conn {
+            sender,
+            streams: AtomicUsize::new(1),
+            idle_since: Mutex::new(Instant::now()),
+        });
+        kp.conns.lock().unwrap().push(conn.clone());
+        self.size.fetch_add(1, Ordering::AcqRel);
+        self.metrics.hbone_pool_connections.inc();
+        Ok(Lease { conn })
+    }
+
+    /// Drops the pooled connections of source `ip` (its pod left; its sockets' namespace may be
+    /// gone). Streams in flight on them finish.
+    pub fn forget_source(&self, ip: IpAddr) {
+        let mut removed = 0;
+        self.keys.lock().unwrap().retain(|k, kp| {
+            if k.src_ip == ip {
+                removed += kp.conns.lock().unwrap().len();
+            }
+            k.src_ip != ip
+        });
+        if removed > 0 {
+            self.size.fetch_sub(removed, Ordering::AcqRel);
+            self.metrics.hbone_pool_connections.dec_by(removed as i64);
+        }
+    }
+
+    /// Opens a tunnel to `target` through the node at `key.dst`. New connections are opened in
+    /// `netns` when given (in-pod mode).
+    pub async fn tunnel(
+        &self,
+        key: &PoolKey,
+        target: SocketAddr,
+        headers: &ConnectHeaders,
+        netns: Option<&Netns>,
+    ) -> Result<Tunnel, HboneError> {
+        let kp = self.key_pool(key);
+        let mut lease = self.lease(&kp, key, netns).await?;
+        let mut sender = lease.conn.sender.clone();
+        if sender.ready().await.is_err() {
+            // The connection died since it was pooled: take (or open) another, once.
+            drop(lease);
+            lease = self.lease(&kp, key, netns).await?;
+            sender = lease.conn.sender.clone();
+        }
+        let up = client::connect(&mut sender, target, headers).await?;
+        Ok(Tunnel::new(up, lease))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_key_distinguishes_every_field() {
+        let id = |s: &str| s.parse::<Identity>().unwrap();
+        let base = PoolKey {
+            src_id: id("spiffe://td/ns/a/sa/a"),
+            dst_id: id("spiffe://td/ns/b/sa/b"),
+            dst: "10.0.0.2:15008".parse().unwrap(),
+            src_ip: "10.0.0.1".parse().unwrap(),
+        };
+        let mut set = std::collections::HashSet::new();
+        set.insert(base.clone());
+        assert!(!set.insert(base.clone()), "equal keys share");
+        for k in [
+            PoolKey { src_id: id("spiffe://td/ns/a/sa/x"), ..base.clone() },
+            PoolKey { dst_id: id("spiffe://td/ns/b/sa/x"), ..base.clone() },
+            PoolKey { dst: "10.0.0.3:15008".parse().unwrap(), ..base.clone() },
+            PoolKey { src_ip: "10.0.0.9".parse().unwrap(), ..base.clone() },
+        ] {
+            assert!(set.insert(k), "each field separates pools");
+        }
+    }
+}

@@ -1,0 +1,101 @@
+//! The server half of HBONE: h2 settings, and the checks on a `CONNECT` (method, authority
+//! form) with the status each refusal answers.
+#![forbid(unsafe_code)]
+
+use std::net::{IpAddr, SocketAddr};
+
+use http::{Method, Request, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use super::{
+    CONNECTION_WINDOW, MAX_FRAME, MAX_STREAMS, PING_INTERVAL, PING_TIMEOUT, STREAM_WINDOW,
+};
+
+/// The server-side h2 builder with ztunnel's settings.
+pub fn server_builder() -> hyper::server::conn::http2::Builder<TokioExecutor> {
+    let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    b.timer(TokioTimer::new())
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
+        .max_concurrent_streams(MAX_STREAMS)
+        .keep_alive_interval(PING_INTERVAL)
+        .keep_alive_timeout(PING_TIMEOUT);
+    b
+}
+
+/// Why a `CONNECT` is refused, with its status code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectRefusal {
+    #[error("method {0} is not CONNECT")]
+    Method(String),
+    #[error("authority '{0}' is not ip:port")]
+    Authority(String),
+    #[error(
+        "authority ip {authority} differs from the address the connection reached ({reached})"
+    )]
+    AddressMismatch { authority: IpAddr, reached: IpAddr },
+    #[error("target {0} is not a workload on this node")]
+    UnknownTarget(SocketAddr),
+    #[error("upstream {0} unreachable: {1}")]
+    Upstream(SocketAddr, String),
+    #[error("target {0} is one of the proxy's own ports in the pod: would loop")]
+    Loop(SocketAddr),
+}
+
+impl ConnectRefusal {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ConnectRefusal::Method(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ConnectRefusal::Authority(_)
+            | ConnectRefusal::AddressMismatch { .. }
+            | ConnectRefusal::UnknownTarget(_)
+            | ConnectRefusal::Loop(_) => StatusCode::BAD_REQUEST,
+            ConnectRefusal::Upstream(..) => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// Short label for metrics.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ConnectRefusal::Method(_) => "bad_method",
+            ConnectRefusal::Authority(_) => "bad_authority",
+            ConnectRefusal::AddressMismatch { .. } => "address_mismatch",
+            ConnectRefusal::UnknownTarget(_) => "unknown_target",
+            ConnectRefusal::Upstream(..) => "upstream_unreachable",
+            ConnectRefusal::Loop(_) => "loop",
+        }
+    }
+}
+
+/// Checks method and authority form of a `CONNECT`; returns the target.
+pub fn parse_connect<B>(req: &Request<B>) -> Result<SocketAddr, ConnectRefusal> {
+    if req.method() != Method::CONNECT {
+        return Err(ConnectRefusal::Method(req.method().to_string()));
+    }
+    let auth = req.uri().authority().map(|a| a.as_str().to_string()).unwrap_or_default();
+    auth.parse::<SocketAddr>().map_err(|_| ConnectRefusal::Authority(auth))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connect_validation() {
+        let r = |m: Method, uri: &str| Request::builder().method(m).uri(uri).body(()).unwrap();
+        assert_eq!(
+            parse_connect(&r(Method::CONNECT, "10.1.2.3:80")),
+            Ok("10.1.2.3:80".parse().unwrap())
+        );
+        assert_eq!(
+            parse_connect(&r(Method::CONNECT, "[fd00::1]:80")),
+            Ok("[fd00::1]:80".parse().unwrap())
+        );
+        let e = parse_connect(&r(Method::GET, "http://10.1.2.3/")).unwrap_err();
+        assert_eq!(e.status(), StatusCode::METHOD_NOT_ALLOWED);
+        let e = parse_connect(&r(Method::CONNECT, "example.com:80")).unwrap_err();
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert!(e.to_string().contains("example.com:80"));
+    }
+}

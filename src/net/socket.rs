@@ -1,0 +1,240 @@
+//! Socket helpers: listeners with `IP_TRANSPARENT` where allowed and a backlog sized from
+//! `somaxconn`, original destination recovery, outbound sockets with `SO_MARK`, an optional
+//! original source address (`IP_BIND_ADDRESS_NO_PORT`) and a connect timeout.
+
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use socket2::{Domain, Protocol, SockRef, Socket, Type};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+use crate::net::netns::Netns;
+
+/// Binds a TCP listener. With `transparent`, tries `IP_TRANSPARENT` (needs CAP_NET_ADMIN) and
+/// warns once when it is not allowed.
+pub fn listen(addr: SocketAddr, transparent: bool) -> std::io::Result<TcpListener> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    s.set_nonblocking(true)?;
+    if transparent {
+        set_transparent(&s, addr.is_ipv4());
+    }
+    s.bind(&addr.into())?;
+    s.listen(backlog())?;
+    TcpListener::from_std(s.into())
+}
+
+/// The listen backlog: the kernel's `net.core.somaxconn` (which caps any larger value anyway), so
+/// a burst of connections waits in the accept queue instead of waiting for a SYN retry.
+pub fn backlog() -> i32 {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(4096)
+}
+
+/// Whether `l` carries `IP_TRANSPARENT` (IPv4) / `IPV6_TRANSPARENT` (IPv6).
+pub fn is_transparent(l: &TcpListener) -> bool {
+    let r = SockRef::from(l);
+    match l.local_addr() {
+        Ok(a) if a.is_ipv4() => r.ip_transparent_v4().unwrap_or(false),
+        Ok(_) => r.ip_transparent_v6().unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+static TRANSPARENT_WARNED: AtomicBool = AtomicBool::new(false);
+
+fn set_transparent(s: &Socket, v4: bool) -> bool {
+    let r = if v4 { s.set_ip_transparent_v4(true) } else { s.set_ip_transparent_v6(true) };
+    match r {
+        Ok(()) => true,
+        Err(e) => {
+            if !TRANSPARENT_WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(error = %e,
+                    "IP_TRANSPARENT not allowed (needs CAP_NET_ADMIN): applications will see the proxy's address as the source");
+            }
+            false
+        }
+    }
+}
+
+/// The original destination of a redirected connection (`SO_ORIGINAL_DST`, IPv4 or IPv6), or
+/// `None` when the connection was not NAT-redirected.
+pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
+    let r = SockRef::from(s);
+    let local = s.local_addr().ok()?;
+    let a = if local.is_ipv4() { r.original_dst_v4() } else { r.original_dst_v6() };
+    a.ok().and_then(|a| a.as_socket())
+}
+
+/// IPv4-mapped IPv6 addresses (what dual-stack sockets report for IPv4) as plain IPv4.
+pub fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+/// Where a captured connection was going: the NAT original destination, else (TPROXY, eBPF
+/// socket assignment, or a direct connection) the accepted socket's local address.
+pub fn destination(s: &TcpStream) -> Option<SocketAddr> {
+    original_dst(s).or_else(|| s.local_addr().ok()).map(canonical)
+}
+
+/// Options for sockets the proxy opens toward the network.
+#[derive(Clone, Copy, Debug)]
+pub struct DialOpts<'a> {
+    pub mark: u32,
+    /// Source address to present (kept only when `IP_TRANSPARENT` or a local address allows it).
+    pub source: Option<IpAddr>,
+    /// In-pod mode: open the socket in this pod's network namespace (else the proxy's own).
+    pub netns: Option<&'a Netns>,
+    /// Give up the TCP connect after this long.
+    pub timeout: Duration,
+}
+
+async fn new_socket(v6: bool, netns: Option<&Netns>) -> std::io::Result<TcpSocket> {
+    match netns {
+        None if v6 => TcpSocket::new_v6(),
+        None => TcpSocket::new_v4(),
+        Some(ns) => {
+            let s = ns.tcp_socket(v6).await?;
+            Ok(TcpSocket::from_std_stream(std::net::TcpStream::from(s)))
+        }
+    }
+}
+
+/// A listener inside `netns` on `addr` (in-pod mode).
+pub async fn listen_in(netns: &Netns, addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let s = netns
+        .run(move || {
+            let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+            s.set_reuse_address(true)?;
+            if addr.is_ipv6() {
+                s.set_only_v6(true)?;
+            }
+            s.set_nonblocking(true)?;
+            s.bind(&addr.into())?;
+            s.listen(backlog())?;
+            Ok::<_, std::io::Error>(s)
+        })
+        .await??;
+    TcpListener::from_std(s.into())
+}
+
+/// Connects to `dst` with `SO_MARK` (so redirect rules skip the proxy's own traffic) and, when
+/// asked, from `source` (`IP_TRANSPARENT`) so that the destination sees the original client.
+/// Fails with `TimedOut` after `opts.timeout`.
+pub async fn dial(dst: SocketAddr, opts: DialOpts<'_>) -> std::io::Result<TcpStream> {
+    match tokio::time::timeout(opts.timeout, dial_now(dst, opts)).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("connect to {dst} timed out after {:?}", opts.timeout),
+        )),
+    }
+}
+
+fn mark(sock: &TcpSocket, mark: u32) {
+    if mark != 0 {
+        // Needs CAP_NET_ADMIN; without it redirect rules cannot tell our traffic apart.
+        if let Err(e) = SockRef::from(sock).set_mark(mark) {
+            tracing::debug!(error = %e, "SO_MARK not set");
+        }
+    }
+}
+
+async fn dial_now(dst: SocketAddr, opts: DialOpts<'_>) -> std::io::Result<TcpStream> {
+    let sock = new_socket(dst.is_ipv6(), opts.netns).await?;
+    mark(&sock, opts.mark);
+    SockRef::from(&sock).set_tcp_nodelay(true)?;
+    if let Some(src) = opts.source.filter(|s| s.is_ipv4() == dst.is_ipv4()) {
+        let r = SockRef::from(&sock);
+        let _ = if src.is_ipv4() {
+            r.set_ip_transparent_v4(true)
+        } else {
+            r.set_ip_transparent_v6(true)
+        };
+        // The port is chosen at connect, per destination: one source address can then carry
+        // as many connections as there are ports for each destination, not 28k in all.
+        if let Err(e) = super::sys::set_bind_address_no_port(sock.as_fd()) {
+            tracing::debug!(error = %e, "IP_BIND_ADDRESS_NO_PORT not set");
+        }
+        if let Err(e) = sock.bind(SocketAddr::new(src, 0)) {
+            tracing::debug!(error = %e, source = %src, "cannot bind original source; using the proxy's address");
+            // A failed bind leaves the socket unusable for a new bind: start over unbound.
+            let sock = new_socket(dst.is_ipv6(), opts.netns).await?;
+            mark(&sock, opts.mark);
+            SockRef::from(&sock).set_tcp_nodelay(true)?;
+            return sock.connect(dst).await;
+        }
+    }
+    sock.connect(dst).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(source: Option<IpAddr>) -> DialOpts<'static> {
+        DialOpts { mark: 0, source, netns: None, timeout: Duration::from_secs(5) }
+    }
+
+    #[tokio::test]
+    async fn transparent_dial_defers_the_port_choice() {
+        let l = listen("127.0.0.1:0".parse().unwrap(), false).unwrap();
+        let dst = l.local_addr().unwrap();
+        let s = dial(dst, opts(Some("127.0.0.1".parse().unwrap()))).await.unwrap();
+        assert!(super::super::sys::bind_address_no_port(s.as_fd()).unwrap());
+        let plain = dial(dst, opts(None)).await.unwrap();
+        assert!(!super::super::sys::bind_address_no_port(plain.as_fd()).unwrap());
+    }
+
+    #[tokio::test]
+    async fn dial_gives_up_after_its_timeout() {
+        // A listener that never accepts, with a backlog of 0: once one connection fills its
+        // accept queue, the kernel drops further SYNs, so the next connect never completes.
+        let s = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).unwrap();
+        s.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into()).unwrap();
+        s.listen(0).unwrap();
+        let dst = s.local_addr().unwrap().as_socket().unwrap();
+        let mut held = Vec::new();
+        let mut o = opts(None);
+        o.timeout = Duration::from_millis(300);
+        let mut timed_out = false;
+        for _ in 0..4 {
+            match dial(dst, o).await {
+                Ok(c) => held.push(c),
+                Err(e) => {
+                    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+                    timed_out = true;
+                    break;
+                }
+            }
+        }
+        assert!(timed_out, "a connect to a full accept queue must time out");
+    }
+
+    #[test]
+    fn listeners_take_their_backlog_from_somaxconn() {
+        let want: i32 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        assert_eq!(backlog(), want);
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let _g = rt.enter();
+        let l = listen("127.0.0.1:0".parse().unwrap(), false).unwrap();
+        let port = l.local_addr().unwrap().port();
+        // `ss` shows a listener's backlog as its Send-Q.
+        let out = std::process::Command::new("ss")
+            .args(["-ltnH", &format!("sport = :{port}")])
+            .output()
+            .expect("ss (iproute2) runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        let send_q: i32 = text.split_whitespace().nth(2).and_then(|v| v.parse().ok()).unwrap();
+        assert_eq!(send_q, want, "{text}");
+    }
+}

@@ -1,0 +1,57 @@
+//! The only `unsafe` of the socket layer: entering a network namespace (`setns`) and the
+//! socket options socket2 does not wrap. Each call takes a borrowed fd that is open for the call.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+/// Moves the calling thread into the network namespace `ns` (an fd of `/proc/<pid>/ns/net` or
+/// `/var/run/netns/<name>`). Only this thread moves; sockets it creates afterwards belong to `ns`.
+pub fn setns_net(ns: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: setns takes an fd and a flag; the fd is borrowed and open for the call.
+    if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `IP_BIND_ADDRESS_NO_PORT`: a `bind` to an address with port 0 defers the port choice to
+/// `connect`, which may then reuse a port for different destinations (as Envoy and ztunnel do).
+/// Without it, every transparent dial from one busy source address searches the whole port range
+/// for a port free for *any* destination.
+pub fn set_bind_address_no_port(s: BorrowedFd<'_>) -> io::Result<()> {
+    let on: libc::c_int = 1;
+    // SAFETY: a valid fd borrowed for the call, a pointer to a live c_int and its size.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_BIND_ADDRESS_NO_PORT,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Reads `IP_BIND_ADDRESS_NO_PORT` back (tests).
+pub fn bind_address_no_port(s: BorrowedFd<'_>) -> io::Result<bool> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: a valid fd borrowed for the call; `v` and `len` are live and sized for the option.
+    let r = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_IP,
+            libc::IP_BIND_ADDRESS_NO_PORT,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(v != 0)
+}
