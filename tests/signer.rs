@@ -275,9 +275,13 @@ async fn panicking_thread_fails_its_batch_and_is_restarted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_faulty_lane_fails_only_its_handshake() {
+    if mbtunnel::mb::require_ifma("the signer's RSA fault check (IFMA backend)").is_none() {
+        return;
+    }
     if mbtunnel::mb::backend() != mbtunnel::mb::Backend::Ifma {
         println!(
-            "skipped: the fault check under test runs on the IFMA backend, not available here"
+            "skipped: the process backend is forced to scalar ({})",
+            mbtunnel::mb::BACKEND_ENV
         );
         return;
     }
@@ -393,12 +397,9 @@ async fn spaced_requests(
     )
 }
 
+/// Adaptive fill applies to the IFMA backend; under `REQUIRE_IFMA=1` its absence fails.
 fn ifma_or_skip() -> bool {
-    let ok = mbtunnel::mb::cpu_features().ifma_capable();
-    if !ok {
-        eprintln!("skipped: adaptive fill applies to the IFMA backend, not available here");
-    }
-    ok
+    mbtunnel::mb::require_ifma("adaptive fill (IFMA backend)").is_some()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

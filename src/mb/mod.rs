@@ -4,12 +4,16 @@
 //!
 //! One dispatch point ([`backend`]) chooses, once, between the IFMA kernels and the scalar
 //! BoringSSL single-op path; the choice and the reason are observable ([`backend_choice`]).
+//! The kernels themselves can only be reached with a capability value ([`cpu::Ifma`] and its
+//! siblings), which only run-time detection of every feature they are compiled with produces.
 
 use std::fmt;
 use std::sync::OnceLock;
 
+pub mod cpu;
 pub mod p256;
 pub mod rsa;
+pub use cpu::{require_ifma, Ifma};
 #[doc(hidden)]
 pub mod timing;
 pub use rsa::{RsaBatch, RsaPrivateKey};
