@@ -565,6 +565,9 @@ async fn an_idle_signer_signs_a_cheap_key_on_the_calling_thread() {
     let pkey = generate_key(KeyAlgorithm::EcdsaP256).unwrap();
     let key = signer.register(pkey.clone());
     let alg = SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256;
+    while signer.threads_asleep() < 1 {
+        tokio::task::yield_now().await; // the thread has just started
+    }
     for i in 0..3u8 {
         let sig = signer.sign(key.clone(), vec![i; 32], alg).await.unwrap();
         assert!(verify(&pkey, alg, &[i; 32], &sig));

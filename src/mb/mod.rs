@@ -101,6 +101,19 @@ pub fn cpu_features() -> CpuFeatures {
     }
 }
 
+/// The CPU's model name (`/proc/cpuinfo`), for naming the machine next to every figure.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
 /// The backend chosen at start-up and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackendChoice {

@@ -1,13 +1,17 @@
 //! Start-up calibration: the signer measures, on the CPU it runs on, what its rules depend on
 //! instead of trusting constants measured once on one VM.
 //!
-//! - **Hand-off** `h`: the round trip of two thread wake-ups (parked thread woken through a
-//!   condition variable, which wakes the first one back) — what a queued request pays on top of
-//!   its signature (the signer thread's wake-up, then the handshake task's).
-//! - **Inline threshold** `T = min(50·h, 250 µs)`: a key whose single op costs `c ≤ T` is signed on
-//!   the calling thread when the signer is idle. Below `50·h` the hand-off would add more than 2 %
-//!   to the signature (so queueing could not stay within 0.98× of inline); the 250 µs cap bounds
-//!   how long a handshake's runtime worker thread is kept from its other tasks.
+//! - **Hand-off** `h`: the round trip a queued request pays on top of its signature, through the
+//!   same mechanisms: a parked thread woken through a condition variable (the signer thread),
+//!   which answers through a `tokio` oneshot that wakes a parked runtime thread (the handshake).
+//! - **Inline thresholds**: a key whose single op costs `c ≤ 50·h` would pay more than 2 % for the
+//!   hand-off (queueing could not stay within 0.98× of inline). On an idle signer such a request
+//!   is signed on the calling thread when `c ≤ T_idle = min(50·h, 2 ms)`: a request that finds
+//!   the signer idle would be a batch of one, i.e. the same single op, so only the runtime worker
+//!   it blocks is at stake, and at idle that worker has little else to do (the cap bounds it).
+//!   Classes that cannot batch at all (scalar backend, keys the multi-buffer core does not take)
+//!   sign inline also when the signer is busy, if `c ≤ T_busy = min(50·h, 250 µs)`: there,
+//!   queueing only adds the hand-off, but a busy runtime must not lose a worker for long.
 //! - **Single op** `c` per key kind (BoringSSL, the fastest of a few runs): P-256 at start-up with
 //!   a fresh key, other kinds when the first key of that kind is registered.
 //! - **Multi-buffer pass** `b` per class (IFMA backend only, the fastest of a few 8-lane passes,
@@ -30,8 +34,10 @@ use serde::Serialize;
 
 /// Hand-off multiple below which a single op is signed inline (hand-off > 2 % of the op).
 pub const INLINE_HANDOFF_FACTOR: u32 = 50;
-/// The longest a single op may keep a handshake's worker thread when signed inline.
-pub const INLINE_CAP: Duration = Duration::from_micros(250);
+/// The longest a single op may keep a handshake's worker thread on an idle signer.
+pub const INLINE_CAP_IDLE: Duration = Duration::from_millis(2);
+/// The longest a single op may keep a handshake's worker thread on a busy signer.
+pub const INLINE_CAP_BUSY: Duration = Duration::from_micros(250);
 /// Fill bound in batch times.
 pub const FILL_BATCHES: u32 = 6;
 
@@ -42,6 +48,8 @@ pub struct Calibration {
     pub handoff_us: f64,
     /// Keys whose single op costs at most this sign inline on an idle signer.
     pub inline_max_us: f64,
+    /// Keys of classes that cannot batch sign inline also on a busy signer below this.
+    pub inline_busy_max_us: f64,
     /// BoringSSL single-op cost per key kind.
     pub single_op_us: BTreeMap<String, f64>,
     /// 8-lane multi-buffer pass per class (IFMA backend only).
@@ -54,9 +62,14 @@ pub struct Calibration {
     pub took_ms: f64,
 }
 
-/// The inline threshold for a measured hand-off.
+/// The inline threshold on an idle signer for a measured hand-off.
 pub fn inline_max(handoff: Duration) -> Duration {
-    (handoff * INLINE_HANDOFF_FACTOR).min(INLINE_CAP)
+    (handoff * INLINE_HANDOFF_FACTOR).min(INLINE_CAP_IDLE)
+}
+
+/// The inline threshold on a busy signer (classes that cannot batch).
+pub fn inline_busy_max(handoff: Duration) -> Duration {
+    (handoff * INLINE_HANDOFF_FACTOR).min(INLINE_CAP_BUSY)
 }
 
 /// The crossover: the largest batch that is cheaper as single ops than as one pass (1..=7).
@@ -74,48 +87,57 @@ pub fn fill_bound(batch: Duration, single: Duration, inline_max: Duration) -> Du
     }
 }
 
-/// Median round trip of `rounds` ping-pongs between this thread and a helper thread.
+/// Median round trip of `rounds` hand-offs (see the module notes), measured on a thread of its
+/// own (so that it works from inside a runtime too).
 pub fn measure_handoff(rounds: usize) -> Duration {
-    #[derive(Default)]
-    struct St {
-        seq: u64,
-        stop: bool,
-    }
-    let pair = Arc::new((Mutex::new(St::default()), Condvar::new()));
+    std::thread::scope(|s| {
+        s.spawn(|| handoff_rounds(rounds))
+            .join()
+            .ok()
+            .flatten()
+            .unwrap_or(Duration::from_micros(50))
+    })
+}
+
+fn handoff_rounds(rounds: usize) -> Option<Duration> {
+    type Slot = (Option<tokio::sync::oneshot::Sender<()>>, bool);
+    let pair: Arc<(Mutex<Slot>, Condvar)> = Arc::new((Mutex::new((None, false)), Condvar::new()));
     let p2 = pair.clone();
-    let helper = std::thread::Builder::new().name("mbt-calibrate".into()).spawn(move || {
-        let (m, c) = &*p2;
-        let mut g = m.lock().unwrap();
-        loop {
-            while g.seq % 2 == 0 && !g.stop {
-                g = c.wait(g).unwrap();
+    let helper = std::thread::Builder::new()
+        .name("mbt-calibrate".into())
+        .spawn(move || {
+            let (m, c) = &*p2;
+            let mut g = m.lock().unwrap();
+            loop {
+                while g.0.is_none() && !g.1 {
+                    g = c.wait(g).unwrap();
+                }
+                if g.1 {
+                    return;
+                }
+                let tx = g.0.take().expect("a request");
+                drop(g);
+                let _ = tx.send(());
+                g = m.lock().unwrap();
             }
-            if g.stop {
-                return;
-            }
-            g.seq += 1;
-            c.notify_all();
-        }
-    });
-    let Ok(helper) = helper else { return Duration::from_micros(50) };
+        })
+        .ok()?;
+    let rt = tokio::runtime::Builder::new_current_thread().build().ok()?;
     let (m, c) = &*pair;
     let mut times = Vec::with_capacity(rounds);
     for _ in 0..rounds {
+        let (tx, rx) = tokio::sync::oneshot::channel();
         let t = Instant::now();
-        let mut g = m.lock().unwrap();
-        g.seq += 1;
-        c.notify_all();
-        while g.seq % 2 == 1 {
-            g = c.wait(g).unwrap();
-        }
-        drop(g);
+        m.lock().unwrap().0 = Some(tx);
+        c.notify_one();
+        rt.block_on(rx).ok()?;
         times.push(t.elapsed());
     }
-    m.lock().unwrap().stop = true;
-    c.notify_all();
+    m.lock().unwrap().1 = true;
+    c.notify_one();
     let _ = helper.join();
     times.sort();
-    times.get(times.len() / 2).copied().unwrap_or_default()
+    times.get(times.len() / 2).copied()
 }
 
 /// A TLS 1.3 `CertificateVerify` input's size (64 spaces, context string, 0, transcript hash).
@@ -200,9 +222,11 @@ mod tests {
         assert_eq!(crossover(4160 * US, 1711 * US), 2); // RSA-3072
         assert_eq!(crossover(28 * US, 17 * US), 1); // ECDSA P-256
         assert_eq!(crossover(100 * US, US), 7, "clamped below a full batch");
-        let t = inline_max(10 * US);
-        assert_eq!(t, 250 * US, "capped");
-        assert_eq!(inline_max(2 * US), 100 * US);
+        assert_eq!(inline_max(20 * US), 1000 * US);
+        assert_eq!(inline_max(100 * US), 2000 * US, "capped on an idle signer");
+        let t = inline_busy_max(10 * US);
+        assert_eq!(t, 250 * US, "capped on a busy signer");
+        assert_eq!(inline_busy_max(2 * US), 100 * US);
         assert_eq!(fill_bound(28 * US, 17 * US, t), Duration::ZERO, "cheap class: off");
         assert_eq!(fill_bound(1218 * US, 558 * US, t), 7308 * US, "six passes");
     }

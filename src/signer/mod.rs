@@ -4,10 +4,11 @@
 //! ECDSA P-256) up to eight at a time and run them on the multi-buffer core.
 //!
 //! Inline rule (the signer never loses to inline signing): a request whose key's single op costs
-//! at most the calibrated inline threshold is signed on the calling thread, with no hand-off,
-//! when the signer is idle (nothing queued, a thread asleep) or when its class cannot batch at
-//! all (scalar backend, keys the multi-buffer core does not take), since queueing such a request
-//! buys nothing. Batches still run on the signer threads. See [`calibrate`].
+//! at most the calibrated idle threshold is signed on the calling thread, with no hand-off, when
+//! the signer is idle (nothing queued, a thread asleep) — it would have been a batch of one, the
+//! same single op; and, below a lower threshold, also when the signer is busy if its class cannot
+//! batch at all (scalar backend, keys the multi-buffer core does not take), since queueing such a
+//! request buys nothing. Batches still run on the signer threads. See [`calibrate`].
 //!
 //! Flush policy: an idle signer thread takes what is queued *now* — batches grow only under load,
 //! and a lone handshake waits for no timer. `max_wait` (default 0) lets operators trade latency
@@ -421,12 +422,17 @@ struct Shared {
     cal_scalar_below: [AtomicUsize; 5],
     /// Calibrated fill bound per class in µs (`u64::MAX` = not yet calibrated).
     cal_fill_us: [AtomicU64; 5],
-    /// Inline threshold in ns.
+    /// Inline thresholds in ns: idle signer, and busy signer for classes that cannot batch.
     inline_max_ns: AtomicU64,
+    inline_busy_max_ns: AtomicU64,
     /// Single-op cost per key kind, measured once.
     kind_costs: Mutex<std::collections::HashMap<String, Option<Duration>>>,
     /// Rate limit of the queue-full warning.
     reject_log: RateLog,
+    /// Signer threads started.
+    threads: usize,
+    /// Signatures being computed inline right now (callers' threads).
+    inline_inflight: AtomicUsize,
 }
 
 impl Shared {
@@ -515,7 +521,7 @@ impl Shared {
 
     /// Copies the rules in force per class into the calibration record and the metrics.
     fn publish_rules(&self, cal: &mut Calibration) {
-        for c in KeyClass::ALL.iter().filter(|c| **c != KeyClass::Other) {
+        for c in KeyClass::ALL.iter().filter(|c| self.batches(**c)) {
             let (k, fill) = (self.scalar_below(*c), self.fill_wait(*c));
             let name = c.as_str().to_string();
             cal.scalar_below.insert(name.clone(), k);
@@ -581,8 +587,11 @@ impl Signer {
             cal_scalar_below: Default::default(),
             cal_fill_us: std::array::from_fn(|_| AtomicU64::new(u64::MAX)),
             inline_max_ns: AtomicU64::new(0),
+            inline_busy_max_ns: AtomicU64::new(0),
             kind_costs: Mutex::new(Default::default()),
             reject_log: RateLog::new(),
+            threads: n,
+            inline_inflight: AtomicUsize::new(0),
         });
         calibrate_start(&shared);
         for i in 0..n {
@@ -638,7 +647,7 @@ impl Signer {
             .collect();
         let scalar_below: serde_json::Map<String, serde_json::Value> = KeyClass::ALL
             .iter()
-            .filter(|c| **c != KeyClass::Other)
+            .filter(|c| self.shared.batches(**c))
             .map(|c| (c.as_str().to_string(), self.shared.scalar_below(*c).into()))
             .collect();
         let q = self.shared.queues.lock().unwrap();
@@ -688,19 +697,25 @@ impl Signer {
     }
 
     /// Whether a request of `key` is signed on the calling thread now: its single op is cheap
-    /// (calibrated) and queueing gains nothing — the signer is idle, or the class never batches.
+    /// (calibrated) and queueing gains nothing — the signer is idle (nothing queued, every signer
+    /// thread asleep, no other signature being computed inline: otherwise concurrent requests
+    /// could never meet in a batch), or the class never batches. On `true` the caller holds one
+    /// of `inline_inflight`, to release after signing.
     fn sign_inline_now(&self, key: &KeyEntry) -> bool {
-        let max = self.shared.inline_max_ns.load(Ordering::Relaxed);
-        if key.single_op().is_none_or(|c| c.as_nanos() as u64 > max)
-            || self.shared.held.load(Ordering::SeqCst)
-        {
+        let sh = &self.shared;
+        let Some(cost) = key.single_op().map(|c| c.as_nanos() as u64) else { return false };
+        if cost > sh.inline_max_ns.load(Ordering::Relaxed) || sh.held.load(Ordering::SeqCst) {
             return false;
         }
-        if !self.shared.batches(key.class) {
+        if !sh.batches(key.class) && cost <= sh.inline_busy_max_ns.load(Ordering::Relaxed) {
+            sh.inline_inflight.fetch_add(1, Ordering::SeqCst);
             return true;
         }
-        let q = self.shared.queues.lock().unwrap();
-        !q.shutdown && q.depth == 0 && q.sleepers > 0
+        let q = sh.queues.lock().unwrap();
+        !q.shutdown
+            && q.depth == 0
+            && q.sleepers >= sh.threads
+            && sh.inline_inflight.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_ok()
     }
 
     /// Signs on the calling thread (BoringSSL single op), accounted like a batch of one.
@@ -734,7 +749,9 @@ impl Signer {
         alg: SslSignatureAlgorithm,
     ) -> Result<Vec<u8>, SignError> {
         if self.sign_inline_now(&key) {
-            return self.sign_inline(&key, &msg, alg);
+            let r = self.sign_inline(&key, &msg, alg);
+            self.shared.inline_inflight.fetch_sub(1, Ordering::SeqCst);
+            return r;
         }
         let (reply, rx) = oneshot::channel();
         let class = key.class;
@@ -840,6 +857,12 @@ impl Signer {
         self.shared.full.notify_all();
     }
 
+    /// Signer threads waiting for work now (all of them: the signer is idle).
+    #[doc(hidden)]
+    pub fn threads_asleep(&self) -> usize {
+        self.shared.queues.lock().unwrap().sleepers
+    }
+
     /// Requests waiting now.
     pub fn queue_depth(&self) -> usize {
         self.shared.queues.lock().unwrap().depth
@@ -853,18 +876,22 @@ fn calibrate_start(shared: &Shared) {
     let t0 = Instant::now();
     let h = calibrate::measure_handoff(33);
     let max = calibrate::inline_max(h);
+    let busy = calibrate::inline_busy_max(h);
     shared.inline_max_ns.store(max.as_nanos() as u64, Ordering::Relaxed);
+    shared.inline_busy_max_ns.store(busy.as_nanos() as u64, Ordering::Relaxed);
     shared.metrics.calibrated_handoff.set(h.as_secs_f64());
     shared.metrics.calibrated_inline_max.set(max.as_secs_f64());
     {
         let mut cal = shared.calib.lock().unwrap();
         cal.handoff_us = h.as_secs_f64() * 1e6;
         cal.inline_max_us = max.as_secs_f64() * 1e6;
+        cal.inline_busy_max_us = busy.as_secs_f64() * 1e6;
         cal.took_ms = t0.elapsed().as_secs_f64() * 1e3;
     }
     tracing::info!(
         handoff_us = h.as_secs_f64() * 1e6,
         inline_max_us = max.as_secs_f64() * 1e6,
+        inline_busy_max_us = busy.as_secs_f64() * 1e6,
         "signer calibrated the hand-off"
     );
     match crate::identity::ca::generate_key(crate::config::KeyAlgorithm::EcdsaP256) {
