@@ -179,8 +179,14 @@ async fn handshake_storm() {
     let mut rows = Vec::new();
     for round in 0..3 {
         // Interleaved: admission on, off, on, off…
-        let on = one_storm(n, bounded, &dir).await;
-        let off = one_storm(n, 1 << 20, &dir).await;
+        let limit = Duration::from_secs(300);
+        let (Ok(on), Ok(off)) = (
+            tokio::time::timeout(limit, one_storm(n, bounded, &dir)).await,
+            tokio::time::timeout(limit, one_storm(n, 1 << 20, &dir)).await,
+        ) else {
+            println!("  round {round}: a storm did not finish within {limit:?}: no figure");
+            return;
+        };
         println!(
             "  round {round}: bounded to {bounded}: p50 at {:.2} of {:.2} s; unbounded: p50 at {:.2} of {:.2} s",
             on.0, on.1, off.0, off.1
@@ -389,6 +395,13 @@ async fn dial_rate() {
 fn main() {
     if let Ok(spec) = std::env::var("STORM_FLOOD_CHILD") {
         return flood_child(&spec);
+    }
+    // `cargo test --all-targets` runs this binary without `--bench`: a smoke run only.
+    if !std::env::args().any(|a| a == "--bench") {
+        std::env::set_var("STORM_IDENTITIES", "20");
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(identity_storm());
+        return;
     }
     let parts: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
     let want = |p: &str| parts.is_empty() || parts.iter().any(|x| x == p);

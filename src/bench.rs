@@ -88,6 +88,8 @@ pub struct BenchRow {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
+    /// The CPU the figures were measured on (model name).
+    pub cpu: String,
     pub cpus: usize,
     pub seconds_per_point: f64,
     /// Rounds per point; each figure is the median over them.
@@ -340,6 +342,7 @@ async fn run_async(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     });
     let _ = std::fs::remove_dir_all(&dir);
     Ok(BenchReport {
+        cpu: crate::mb::cpu_model(),
         cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         seconds_per_point: opts.duration.as_secs_f64(),
         repeat: opts.repeat.max(1),
@@ -355,6 +358,7 @@ impl std::fmt::Display for BenchReport {
              median of {} interleaved round(s)",
             self.cpus, self.seconds_per_point, self.repeat
         )?;
+        writeln!(f, "CPU: {} (AVX-512 features: {})", self.cpu, crate::mb::cpu_features())?;
         writeln!(
             f,
             "{:<10} {:<14} {:>5} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>5}",

@@ -243,7 +243,11 @@ impl TlsProvider {
 
     /// Settings both sides share: TLS 1.3 only, no resumption, the certificate, its key through
     /// the signer, the mesh root for verifying the peer, and a log line for alerts.
-    fn common(&self, bundle: &CertBundle) -> Result<SslContextBuilder, TlsError> {
+    fn common(
+        &self,
+        bundle: &CertBundle,
+        budget: crate::signer::Budget,
+    ) -> Result<SslContextBuilder, TlsError> {
         let mut b = SslContextBuilder::new(SslMethod::tls())?;
         b.set_min_proto_version(Some(SslVersion::TLS1_3))?;
         b.set_max_proto_version(Some(SslVersion::TLS1_3))?;
@@ -256,7 +260,7 @@ impl TlsProvider {
         if self.inline_signing {
             b.set_private_key(&bundle.key)?;
         } else {
-            b.set_async_private_key_method(self.signer.key_method(bundle.key.clone()));
+            b.set_async_private_key_method(self.signer.key_method_for(bundle.key.clone(), budget));
         }
         b.set_verify_cert_store(Self::root_store(bundle)?)?;
         let metrics = self.metrics.clone();
@@ -265,7 +269,9 @@ impl TlsProvider {
     }
 
     fn build_acceptor(&self, bundle: &CertBundle, n: &mut usize) -> Result<SslContext, TlsError> {
-        let mut b = self.common(bundle)?;
+        // Server signatures are made before the client is authenticated: their own budget, so
+        // a flood on 15008 cannot starve this node's outbound handshakes.
+        let mut b = self.common(bundle, crate::signer::Budget::Inbound)?;
         b.set_alpn_select_callback(|_, client| {
             boring::ssl::select_next_proto(b"\x02h2", client)
                 .ok_or(boring::ssl::AlpnError::ALERT_FATAL)
@@ -277,7 +283,7 @@ impl TlsProvider {
     }
 
     fn build_connector(&self, bundle: &CertBundle, n: &mut usize) -> Result<SslContext, TlsError> {
-        let mut b = self.common(bundle)?;
+        let mut b = self.common(bundle, crate::signer::Budget::Outbound)?;
         b.set_alpn_protos(b"\x02h2")?;
         b.set_verify(SslVerifyMode::PEER);
         let ctx = b.build();

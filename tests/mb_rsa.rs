@@ -10,7 +10,7 @@ use boring::ssl::SslSignatureAlgorithm;
 use mbtunnel::mb::rsa::{
     fault_check_failures, inject_fault_next_batch, Padding, RsaBatch, RsaPrivateKey,
 };
-use mbtunnel::mb::{cpu_features, Backend, MbError};
+use mbtunnel::mb::{Backend, MbError};
 use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
@@ -41,12 +41,9 @@ fn keys_of(bits: usize) -> Vec<&'static RsaPrivateKey> {
     keys().iter().filter(|(_, k)| k.bits() == bits).map(|(_, k)| k).collect()
 }
 
+/// Whether the IFMA part can run; under `REQUIRE_IFMA=1` a CPU without it fails the test.
 fn ifma() -> bool {
-    let ok = cpu_features().ifma_capable();
-    if !ok {
-        eprintln!("skipping IFMA part: CPU lacks AVX-512 IFMA ({})", cpu_features());
-    }
-    ok
+    mbtunnel::mb::require_ifma("the IFMA part of this test").is_some()
 }
 
 fn boring_sign(key: &RsaPrivateKey, msg: &[u8], padding: Padding) -> Vec<u8> {
@@ -348,17 +345,22 @@ fn mismatched_lengths_fail_clearly() {
     assert!(RsaBatch::sign(&[], &[], Padding::PssSha256).is_empty());
 }
 
-/// dudect-style timing check (reports, never asserts): Welch's t statistic between two input
-/// classes, samples interleaved at random. |t| well below 4.5 means no timing difference was
-/// detected at this sample size. Run: `cargo test --release --test mb_rsa dudect -- --ignored
-/// --nocapture` (pinned: prefix `taskset -c 1`).
+/// dudect-style timing check of the RSA-CRT private operation (IFMA): batches whose eight lanes
+/// use a fixed private key versus random keys, both classes with random representatives (the
+/// message is the varying public input, as random nonces are for ECDSA), samples interleaved at
+/// random and generated before the first measurement. Both classes draw lanes from a pool of 16
+/// key objects (16 copies of one key, or 16 different keys) so that memory behaviour is alike.
+/// The verdict follows Welch's t (after cropping the slowest 10%); with
+/// `MBTUNNEL_DUDECT_ASSERT=1` the test asserts |t| < 4.5.
+/// Run: `cargo test --release --test mb_rsa dudect -- --ignored --nocapture` (pinned: prefix
+/// `taskset -c 1`).
 #[test]
 #[ignore]
-fn dudect_timing_report() {
+fn dudect_fixed_vs_random_key() {
     if !ifma() {
         return;
     }
-    use mbtunnel::mb::timing::welch_t as welch;
+    use mbtunnel::mb::timing::{conclude, welch_t};
     /// Drops the slowest 10% (preemption on a shared machine) before the test.
     fn crop(mut v: Vec<f64>) -> Vec<f64> {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -366,55 +368,46 @@ fn dudect_timing_report() {
         v
     }
     let samples = 1500;
-    let ks = keys_of(2048);
-    let size = ks[0].size();
+    let fixed = keys_of(2048)[0].clone();
+    let fixed_pool: Vec<RsaPrivateKey> = (0..16).map(|_| fixed.clone()).collect();
+    let rand_pool: Vec<RsaPrivateKey> = (0..16)
+        .map(|_| RsaPrivateKey::from_boring(&boring::rsa::Rsa::generate(2048).unwrap()).unwrap())
+        .collect();
+    let size = fixed.size();
     let mut rng = ChaCha20Rng::seed_from_u64(99);
-    type Batch = (Vec<&'static RsaPrivateKey>, Vec<Vec<u8>>);
-    let mut run = |name: &str, class: &mut dyn FnMut(bool, &mut ChaCha20Rng) -> Batch| {
-        let (mut t0, mut t1) = (Vec::new(), Vec::new());
-        for _ in 0..samples {
+    // (class, lane picks, representatives): below every 2048-bit n (top byte zero).
+    type Input = (bool, [usize; 8], Vec<Vec<u8>>);
+    let inputs: Vec<Input> = (0..samples)
+        .map(|_| {
             let c = rng.gen::<bool>();
-            let (k, reps) = class(c, &mut rng);
-            let r: Vec<&[u8]> = reps.iter().map(|v| v.as_slice()).collect();
-            let start = std::time::Instant::now();
-            let out = RsaBatch::private_op_with(Backend::Ifma, &k, &r);
-            let el = start.elapsed().as_secs_f64();
-            assert!(out.iter().all(|x| x.is_ok()));
-            if c {
-                t1.push(el)
-            } else {
-                t0.push(el)
-            }
-        }
-        let t = welch(&crop(t0), &crop(t1));
-        eprintln!("dudect {name}: t = {t:+.2} ({samples} samples; |t| < 4.5: no leak detected)");
-    };
-    // Class A: representative 0 in every lane vs random representatives, same keys.
-    run("fixed-zero vs random representative", &mut |c, rng| {
-        let k: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[i % ks.len()]).collect();
-        let reps = (0..8)
-            .map(|_| {
-                let mut v = vec![0u8; size];
-                if c {
+            let picks = std::array::from_fn(|_| rng.gen_range(0..16));
+            let reps = (0..8)
+                .map(|_| {
+                    let mut v = vec![0u8; size];
                     rng.fill_bytes(&mut v[1..]);
-                }
-                v
-            })
-            .collect();
-        (k, reps)
-    });
-    // Class B: the same representatives, key set 1 vs key set 2 (different secret exponents).
-    let fixed: Vec<Vec<u8>> = (0..8)
-        .map(|i| {
-            let mut v = vec![0u8; size];
-            v[1..].iter_mut().enumerate().for_each(|(j, b)| *b = (i * 31 + j) as u8);
-            v
+                    v
+                })
+                .collect();
+            (c, picks, reps)
         })
         .collect();
-    run("key set A vs key set B", &mut |c, _| {
-        let k: Vec<&RsaPrivateKey> = (0..8).map(|_| if c { ks[0] } else { ks[1] }).collect();
-        (k, fixed.clone())
-    });
+    let (mut t0, mut t1) = (Vec::new(), Vec::new());
+    for (c, picks, reps) in &inputs {
+        let pool = if *c { &rand_pool } else { &fixed_pool };
+        let k: Vec<&RsaPrivateKey> = picks.iter().map(|&p| &pool[p]).collect();
+        let r: Vec<&[u8]> = reps.iter().map(|v| v.as_slice()).collect();
+        let start = std::time::Instant::now();
+        let out = RsaBatch::private_op_with(Backend::Ifma, &k, &r);
+        let el = start.elapsed().as_secs_f64();
+        assert!(out.iter().all(|x| x.is_ok()));
+        if *c {
+            t1.push(el)
+        } else {
+            t0.push(el)
+        }
+    }
+    let t = welch_t(&crop(t0), &crop(t1));
+    conclude("dudect RSA-2048, fixed vs random key", t, samples);
 }
 
 #[test]

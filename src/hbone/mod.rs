@@ -19,7 +19,7 @@ use crate::tls::TlsError;
 
 pub use client::{traceparent, ConnectHeaders, Tunnel};
 pub use pool::{LocalConnector, Pool, PoolKey};
-pub use server::{parse_connect, server_builder, ConnectRefusal};
+pub use server::{check_connect, parse_connect, server_builder, ConnectRefusal};
 
 /// h2 settings as ztunnel's: large windows and frames, keepalive pings.
 pub const STREAM_WINDOW: u32 = 4 * 1024 * 1024;

@@ -68,6 +68,33 @@ impl ConnectRefusal {
     }
 }
 
+/// Every check on a `CONNECT` before the proxy acts on it: method and authority form
+/// ([`parse_connect`]), a target that is a workload of this node (`local` finds it), an authority
+/// IP equal to the address the connection reached, and (in a pod, where the proxy's own ports
+/// are listed in `own_ports`) a target port that is not one of the proxy's. Returns the target
+/// and what `local` found.
+pub fn check_connect<B, T>(
+    req: &Request<B>,
+    reached: SocketAddr,
+    own_ports: &[u16],
+    local: impl Fn(IpAddr) -> Option<T>,
+) -> Result<(SocketAddr, T), ConnectRefusal> {
+    let target = parse_connect(req)?;
+    let Some(found) = local(target.ip()) else {
+        return Err(ConnectRefusal::UnknownTarget(target));
+    };
+    if target.ip() != reached.ip() {
+        return Err(ConnectRefusal::AddressMismatch {
+            authority: target.ip(),
+            reached: reached.ip(),
+        });
+    }
+    if own_ports.contains(&target.port()) {
+        return Err(ConnectRefusal::Loop(target));
+    }
+    Ok((target, found))
+}
+
 /// Checks method and authority form of a `CONNECT`; returns the target.
 pub fn parse_connect<B>(req: &Request<B>) -> Result<SocketAddr, ConnectRefusal> {
     if req.method() != Method::CONNECT {

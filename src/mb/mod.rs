@@ -4,12 +4,16 @@
 //!
 //! One dispatch point ([`backend`]) chooses, once, between the IFMA kernels and the scalar
 //! BoringSSL single-op path; the choice and the reason are observable ([`backend_choice`]).
+//! The kernels themselves can only be reached with a capability value ([`cpu::Ifma`] and its
+//! siblings), which only run-time detection of every feature they are compiled with produces.
 
 use std::fmt;
 use std::sync::OnceLock;
 
+pub mod cpu;
 pub mod p256;
 pub mod rsa;
+pub use cpu::{require_ifma, Ifma};
 #[doc(hidden)]
 pub mod timing;
 pub use rsa::{RsaBatch, RsaPrivateKey};
@@ -95,6 +99,19 @@ pub fn cpu_features() -> CpuFeatures {
     {
         CpuFeatures { avx512f: false, avx512ifma: false, avx512vl: false }
     }
+}
+
+/// The CPU's model name (`/proc/cpuinfo`), for naming the machine next to every figure.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".into())
 }
 
 /// The backend chosen at start-up and why.

@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 use tracing::Instrument;
 
 use super::{copy_both, drain_cut, reset_on_close, ConnRecord, Copied, Ctx};
-use crate::hbone::{parse_connect, server_builder, ConnectRefusal};
+use crate::hbone::{check_connect, server_builder, ConnectRefusal};
 use crate::identity::Identity;
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
 use crate::net::netns::Netns;
@@ -160,22 +160,12 @@ async fn serve_connect(
         tracing::warn!(peer = %peer_id, error = %e, status = e.status().as_u16(), "CONNECT refused");
         status(e.status())
     };
-    let target = match parse_connect(&req) {
-        Ok(t) => t,
-        Err(e) => return refuse(e),
-    };
-    let Some(dst_wl) = ctx.state.local_workload_by_ip(target.ip()) else {
-        return refuse(ConnectRefusal::UnknownTarget(target));
-    };
-    if target.ip() != reached.ip() {
-        return refuse(ConnectRefusal::AddressMismatch {
-            authority: target.ip(),
-            reached: reached.ip(),
-        });
-    }
-    if netns.is_some() && crate::inpod::PROXY_PORTS.contains(&target.port()) {
-        return refuse(ConnectRefusal::Loop(target));
-    }
+    let own_ports: &[u16] = if netns.is_some() { &crate::inpod::PROXY_PORTS } else { &[] };
+    let (target, dst_wl) =
+        match check_connect(&req, reached, own_ports, |ip| ctx.state.local_workload_by_ip(ip)) {
+            Ok(x) => x,
+            Err(e) => return refuse(e),
+        };
     let src_wl = ctx.state.workload_by_ip(peer.ip());
     let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
         .with_source(src_wl.as_deref(), Some(peer_id.to_string()))

@@ -61,8 +61,31 @@ pub struct KeyEntry {
     pub class: KeyClass,
     /// Why the key is in its class (e.g. why it cannot use the IFMA backend).
     pub route: String,
+    /// What the single-op cost depends on (`ecdsa-p256`, `rsa-2048`, …): calibration is per kind.
+    pub kind: String,
     pub(crate) pkey: PKey<Private>,
     pub(crate) mb: MbKey,
+    /// The calibrated BoringSSL single-op cost of this kind (set by the signer at registration).
+    pub(crate) single_op: std::sync::OnceLock<std::time::Duration>,
+}
+
+impl KeyEntry {
+    /// The calibrated single-op cost of this key's kind, once known.
+    pub fn single_op(&self) -> Option<std::time::Duration> {
+        self.single_op.get().copied()
+    }
+}
+
+/// The calibration kind of a key: algorithm and size.
+fn kind_of(pkey: &PKey<Private>) -> String {
+    match pkey.id() {
+        Id::RSA => format!("rsa-{}", pkey.bits()),
+        Id::EC => match pkey.ec_key().ok().and_then(|k| k.group().curve_name()) {
+            Some(boring::nid::Nid::X9_62_PRIME256V1) => "ecdsa-p256".into(),
+            other => format!("ec-{other:?}"),
+        },
+        other => format!("{other:?}").to_lowercase(),
+    }
 }
 
 impl fmt::Debug for KeyEntry {
@@ -126,7 +149,9 @@ impl KeyTable {
         if class == KeyClass::Other {
             tracing::info!(key = id, reason = %route, "key signs through BoringSSL single-op (not eligible for the multi-buffer core)");
         }
-        let e = Arc::new(KeyEntry { id, class, route, pkey, mb });
+        let kind = kind_of(&pkey);
+        let single_op = std::sync::OnceLock::new();
+        let e = Arc::new(KeyEntry { id, class, route, kind, pkey, mb, single_op });
         let mut keys = self.keys.lock().unwrap();
         keys.retain(|_, w| w.strong_count() > 0);
         keys.insert(id, Arc::downgrade(&e));

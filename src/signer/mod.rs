@@ -3,11 +3,18 @@
 //! signer threads (never tokio workers) take requests per key class (RSA-2048/3072/4096,
 //! ECDSA P-256) up to eight at a time and run them on the multi-buffer core.
 //!
+//! Inline rule (the signer never loses to inline signing): a request whose key's single op costs
+//! at most the calibrated idle threshold is signed on the calling thread, with no hand-off, when
+//! the signer is idle (nothing queued, a thread asleep) — it would have been a batch of one, the
+//! same single op; and, below a lower threshold, also when the signer is busy if its class cannot
+//! batch at all (scalar backend, keys the multi-buffer core does not take), since queueing such a
+//! request buys nothing. Batches still run on the signer threads. See [`calibrate`].
+//!
 //! Flush policy: an idle signer thread takes what is queued *now* — batches grow only under load,
 //! and a lone handshake waits for no timer. `max_wait` (default 0) lets operators trade latency
-//! for fuller batches. Batches of at most `scalar_below` requests (measured per class: 2 for RSA,
-//! 1 for ECDSA) go to the BoringSSL single-op path, which is faster than a multi-buffer pass for so
-//! few.
+//! for fuller batches. Batches of at most `scalar_below` requests go to the BoringSSL single-op
+//! path, which is faster than a multi-buffer pass for so few; the per-class crossover is
+//! calibrated at start-up (`⌊pass / single op⌋`, see [`calibrate`]).
 //!
 //! Adaptive fill (classes whose 8-lane pass costs the same for 1 or 8 lanes: RSA): under load, a
 //! thread may hold a forming batch open for more lanes — only while requests of that class keep
@@ -17,17 +24,27 @@
 //! ends at eight lanes, when arrivals pause (no request for three average gaps), when the bound
 //! expires, or when another class needs the thread. See [`FillPolicy`].
 //!
-//! Backpressure: the queues are bounded; a full signer answers at once with
+//! Budgets: inbound signatures (server side: TLS 1.3 servers sign before the client is
+//! authenticated) and outbound ones (client side, this node's pods) queue against separate
+//! budgets of `queue_limit` requests each ([`Budget`]), and threads take batches from the two in
+//! turn (a batch of one class interleaves both budgets' requests), so a flood on the inbound port
+//! can neither make outbound signatures fail nor keep them waiting behind it.
+//!
+//! Backpressure: the budgets are bounded; a full budget answers at once with
 //! [`SignError::QueueFull`] (the handshake fails and the client retries) instead of letting
-//! latency grow without bound. A panicking signer thread fails only its batch and is restarted.
+//! latency grow without bound; the warning is logged at most once a second, with the count of
+//! rejections it stands for. A request whose handshake has gone (its waiter dropped) is removed
+//! before its batch is computed, never signed (`mbtunnel_signer_abandoned_total`). A panicking
+//! signer thread fails only its batch and is restarted.
 #![forbid(unsafe_code)]
 
+pub mod calibrate;
 pub mod keys;
 pub mod metrics;
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,10 +60,37 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 
 use crate::mb::{Backend, MbError};
+pub use calibrate::Calibration;
 use keys::MbKey;
 pub use keys::{KeyClass, KeyEntry, KeyTable};
 pub use metrics::SignerMetrics;
-use metrics::{AlgLabels, OpLabels, OutcomeLabels, ReasonLabels};
+use metrics::{AlgLabels, BudgetLabels, KindLabels, OpLabels, OutcomeLabels, ReasonLabels};
+
+/// Which queue budget a signature draws from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Budget {
+    /// Server side: handshakes of peers that are not authenticated yet (TLS 1.3 servers sign
+    /// their `CertificateVerify` before the client's certificate arrives).
+    Inbound,
+    /// Client side: connections this node's pods open.
+    Outbound,
+}
+
+impl Budget {
+    pub const ALL: [Budget; 2] = [Budget::Inbound, Budget::Outbound];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Budget::Inbound => "inbound",
+            Budget::Outbound => "outbound",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SignError {
@@ -83,16 +127,18 @@ pub struct SignerConfig {
     pub cpus: usize,
     /// How long an idle thread may wait for a fuller batch (0 = take what is queued now).
     pub max_wait: Duration,
-    /// Bound on queued requests across all classes.
+    /// Bound on queued requests of each budget ([`Budget`]: inbound and outbound are bounded
+    /// separately, each to this many, across all classes).
     pub queue_limit: usize,
-    /// Batches of at most this many requests use the single-op path; `None` = the measured
-    /// per-class defaults ([`default_scalar_below`]).
+    /// Batches of at most this many requests use the single-op path; `None` = the per-class
+    /// crossover calibrated at start-up ([`calibrate`]; [`default_scalar_below`] until then).
     pub scalar_below: Option<usize>,
     /// Backend for eligible keys.
     #[serde(serialize_with = "ser_backend")]
     pub backend: Backend,
     /// Adaptive fill bound: the longest a forming batch is held open for more arrivals under
-    /// load. `None` = the per-class defaults ([`default_fill_wait`]); `Some(ZERO)` = off.
+    /// load. `None` = the per-class bound calibrated at start-up ([`calibrate`];
+    /// [`default_fill_wait`] until then); `Some(ZERO)` = off.
     pub fill_wait: Option<Duration>,
 }
 
@@ -100,8 +146,8 @@ fn ser_backend<S: serde::Serializer>(b: &Backend, s: S) -> Result<S::Ok, S::Erro
     s.serialize_str(b.as_str())
 }
 
-/// The largest batch that is faster on BoringSSL single-op than as one multi-buffer pass, per
-/// class — measured here (AMD Zen 4, one pinned core; `benches/README.md`): an 8-lane pass costs
+/// Fallback until the class is calibrated ([`calibrate::crossover`]). The largest batch that is
+/// faster on BoringSSL single-op than as one multi-buffer pass, per class — measured (AMD Zen 4, one pinned core; `benches/README.md`): an 8-lane pass costs
 /// the same for 1 to 8 lanes. RSA-2048: pass ≈ 1.22 ms, single op ≈ 0.56 ms, so two singles
 /// (1.12 ms) still win and three (1.67 ms) lose; RSA-3072/4096 likewise cross between 2 and 3.
 /// ECDSA P-256: pass ≈ 28 µs, single ≈ 17.5 µs, so only a lone request is faster alone.
@@ -113,7 +159,8 @@ pub fn default_scalar_below(class: KeyClass) -> usize {
     }
 }
 
-/// The adaptive-fill bound per class: about six 8-lane batch times for RSA (a batch costs
+/// Fallback until the class is calibrated ([`calibrate::fill_bound`]). The adaptive-fill bound
+/// per class: about six 8-lane batch times for RSA (a batch costs
 /// 1.37 / 4.25 / 10.2 ms for RSA-2048 / 3072 / 4096 here). Measured for RSA-2048 with
 /// `mbtunnel bench handshakes` (`benches/README.md`): 4 ms fills batches to ~4 lanes at
 /// concurrency 64, 8 ms to ~5, 12 ms no further; RSA-3072/4096 are scaled by their batch time.
@@ -264,7 +311,12 @@ impl FillPolicy {
 }
 
 struct Queues {
-    by_class: [VecDeque<Request>; 5],
+    /// Per class, one FIFO per budget (indexed by [`Budget::index`]).
+    by_class: [[VecDeque<Request>; 2]; 5],
+    /// Requests queued per budget (abandoned ones included until a thread drops them).
+    budget_depth: [usize; 2],
+    /// The budget whose turn it is to choose the next batch's class.
+    turn: usize,
     flow: [Flow; 5],
     /// A thread is holding this class's batch open (adaptive fill); others leave it alone.
     filling: [bool; 5],
@@ -272,6 +324,79 @@ struct Queues {
     /// Threads waiting on `ready` (a request wakes one only if some thread sleeps).
     sleepers: usize,
     shutdown: bool,
+}
+
+impl Queues {
+    fn class_len(&self, c: KeyClass) -> usize {
+        self.by_class[c.index()].iter().map(VecDeque::len).sum()
+    }
+
+    fn class_empty(&self, c: KeyClass) -> bool {
+        self.by_class[c.index()].iter().all(VecDeque::is_empty)
+    }
+
+    /// The oldest request of class `c` (in `budget` only, if given).
+    fn oldest(&self, c: KeyClass, budget: Option<usize>) -> Option<Instant> {
+        self.by_class[c.index()]
+            .iter()
+            .enumerate()
+            .filter(|(b, _)| budget.is_none_or(|x| x == *b))
+            .filter_map(|(_, d)| d.front().map(|r| r.enqueued))
+            .min()
+    }
+
+    /// Takes up to `n` live requests of class `c`, alternating between the budgets starting
+    /// with `first`. Requests whose waiter has gone are dropped here, unsigned; their number is
+    /// returned with the batch.
+    fn take(&mut self, c: KeyClass, n: usize, first: usize) -> (Vec<Request>, usize) {
+        let mut out = Vec::with_capacity(n);
+        let (mut b, mut misses, mut abandoned) = (first, 0, 0);
+        while out.len() < n && misses < 2 {
+            match self.by_class[c.index()][b].pop_front() {
+                Some(r) => {
+                    self.budget_depth[b] -= 1;
+                    self.depth -= 1;
+                    if r.reply.is_closed() {
+                        abandoned += 1;
+                        continue;
+                    }
+                    out.push(r);
+                    misses = 0;
+                    b ^= 1;
+                }
+                None => {
+                    misses += 1;
+                    b ^= 1;
+                }
+            }
+        }
+        (out, abandoned)
+    }
+}
+
+/// At most one log line per interval; counts what it left out.
+struct RateLog {
+    last: Mutex<Option<Instant>>,
+    suppressed: AtomicU64,
+}
+
+impl RateLog {
+    const EVERY: Duration = Duration::from_secs(1);
+
+    fn new() -> Self {
+        RateLog { last: Mutex::new(None), suppressed: AtomicU64::new(0) }
+    }
+
+    /// `Some(n)`: log now, standing for `n` earlier events that were not logged.
+    fn allow(&self, now: Instant) -> Option<u64> {
+        let mut last = self.last.lock().unwrap();
+        if last.is_some_and(|t| now.saturating_duration_since(t) < Self::EVERY) {
+            self.suppressed.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        *last = Some(now);
+        Some(self.suppressed.swap(0, Ordering::Relaxed))
+    }
 }
 
 struct Shared {
@@ -291,6 +416,121 @@ struct Shared {
     inject_fault: std::sync::atomic::AtomicU8,
     /// Test hook: while set, threads take no batch (so queues fill deterministically).
     held: AtomicBool,
+    /// What the calibration measured (for the dump); the fields below are its fast copies.
+    calib: Mutex<Calibration>,
+    /// Calibrated crossover per class (0 = not yet calibrated).
+    cal_scalar_below: [AtomicUsize; 5],
+    /// Calibrated fill bound per class in µs (`u64::MAX` = not yet calibrated).
+    cal_fill_us: [AtomicU64; 5],
+    /// Inline thresholds in ns: idle signer, and busy signer for classes that cannot batch.
+    inline_max_ns: AtomicU64,
+    inline_busy_max_ns: AtomicU64,
+    /// Single-op cost per key kind, measured once.
+    kind_costs: Mutex<std::collections::HashMap<String, Option<Duration>>>,
+    /// Rate limit of the queue-full warning.
+    reject_log: RateLog,
+    /// Signer threads started.
+    threads: usize,
+    /// Signatures being computed inline right now (callers' threads).
+    inline_inflight: AtomicUsize,
+}
+
+impl Shared {
+    /// The crossover in force for `class`: configured, else calibrated, else the fallback.
+    fn scalar_below(&self, class: KeyClass) -> usize {
+        if class == KeyClass::Other || self.cfg.scalar_below.is_some() {
+            return self.cfg.scalar_below_for(class);
+        }
+        match self.cal_scalar_below[class.index()].load(Ordering::Relaxed) {
+            0 => self.cfg.scalar_below_for(class),
+            k => k,
+        }
+    }
+
+    /// The fill bound in force for `class`: configured, else calibrated, else the fallback.
+    fn fill_wait(&self, class: KeyClass) -> Duration {
+        if self.cfg.fill_wait.is_some() || self.cfg.fill_wait_for(class).is_zero() {
+            return self.cfg.fill_wait_for(class);
+        }
+        match self.cal_fill_us[class.index()].load(Ordering::Relaxed) {
+            u64::MAX => self.cfg.fill_wait_for(class),
+            us => Duration::from_micros(us),
+        }
+    }
+
+    /// Whether a class forms multi-buffer batches at all on this signer.
+    fn batches(&self, class: KeyClass) -> bool {
+        class != KeyClass::Other && self.cfg.backend == Backend::Ifma
+    }
+
+    /// Measures (once per kind) the single-op cost of `key`'s kind and, on the IFMA backend, the
+    /// pass of its class (once per class), deriving the class's crossover and fill bound.
+    fn calibrate_key(&self, key: &KeyEntry) {
+        let t0 = Instant::now();
+        let mut measured = false;
+        let cost = {
+            let mut costs = self.kind_costs.lock().unwrap();
+            *costs.entry(key.kind.clone()).or_insert_with(|| {
+                measured = true;
+                calibrate::measure_single_op(&key.pkey)
+            })
+        };
+        if let Some(c) = cost {
+            let _ = key.single_op.set(c);
+        }
+        let c = key.class;
+        let class_pending = self.batches(c)
+            && self.cal_scalar_below[c.index()].load(Ordering::Relaxed) == 0
+            && cost.is_some();
+        let batch = if class_pending { calibrate::measure_batch(key) } else { None };
+        if !measured && batch.is_none() {
+            return;
+        }
+        let mut cal = self.calib.lock().unwrap();
+        if let Some(c) = cost.filter(|_| measured) {
+            cal.single_op_us.insert(key.kind.clone(), c.as_secs_f64() * 1e6);
+            self.metrics
+                .calibrated_single_op
+                .get_or_create(&KindLabels { kind: key.kind.clone() })
+                .set(c.as_secs_f64());
+        }
+        if let (Some(b), Some(single)) = (batch, cost) {
+            let inline_max = Duration::from_nanos(self.inline_max_ns.load(Ordering::Relaxed));
+            let k = calibrate::crossover(b, single);
+            let fill = calibrate::fill_bound(b, single, inline_max);
+            self.cal_scalar_below[c.index()].store(k, Ordering::Relaxed);
+            self.cal_fill_us[c.index()].store(fill.as_micros() as u64, Ordering::Relaxed);
+            let name = c.as_str().to_string();
+            cal.batch_us.insert(name.clone(), b.as_secs_f64() * 1e6);
+            let labels = KindLabels { kind: name };
+            self.metrics.calibrated_batch.get_or_create(&labels).set(b.as_secs_f64());
+        }
+        cal.took_ms += t0.elapsed().as_secs_f64() * 1e3;
+        self.publish_rules(&mut cal);
+        tracing::info!(
+            kind = %key.kind,
+            class = c.as_str(),
+            single_op_us = cost.map(|d| d.as_secs_f64() * 1e6),
+            batch_us = batch.map(|d| d.as_secs_f64() * 1e6),
+            scalar_below = self.scalar_below(c),
+            fill_wait_us = self.fill_wait(c).as_micros() as u64,
+            inline = cost.is_some_and(|d| d.as_nanos() as u64 <= self.inline_max_ns.load(Ordering::Relaxed)),
+            "signer calibrated a key kind"
+        );
+    }
+
+    /// Copies the rules in force per class into the calibration record and the metrics.
+    fn publish_rules(&self, cal: &mut Calibration) {
+        for c in KeyClass::ALL.iter().filter(|c| self.batches(**c)) {
+            let (k, fill) = (self.scalar_below(*c), self.fill_wait(*c));
+            let name = c.as_str().to_string();
+            cal.scalar_below.insert(name.clone(), k);
+            cal.fill_wait_us.insert(name.clone(), fill.as_micros() as u64);
+            let labels = KindLabels { kind: name };
+            self.metrics.scalar_below.get_or_create(&labels).set(k.min(i64::MAX as usize) as i64);
+            self.metrics.fill_wait.get_or_create(&labels).set(fill.as_secs_f64());
+        }
+    }
 }
 
 /// Which thread a new request wakes (see [`Signer::sign`]).
@@ -320,13 +560,15 @@ impl Drop for StopOnDrop {
 }
 
 impl Signer {
-    /// Starts the signer threads.
+    /// Calibrates (a few milliseconds: see [`calibrate`]) and starts the signer threads.
     pub fn start(cfg: SignerConfig) -> Signer {
         let n = cfg.thread_count();
         let shared = Arc::new(Shared {
             cfg,
             queues: Mutex::new(Queues {
                 by_class: Default::default(),
+                budget_depth: [0; 2],
+                turn: 0,
                 flow: Default::default(),
                 filling: [false; 5],
                 depth: 0,
@@ -341,11 +583,26 @@ impl Signer {
             inject_panic: AtomicBool::new(false),
             inject_fault: std::sync::atomic::AtomicU8::new(0),
             held: AtomicBool::new(false),
+            calib: Mutex::new(Calibration::default()),
+            cal_scalar_below: Default::default(),
+            cal_fill_us: std::array::from_fn(|_| AtomicU64::new(u64::MAX)),
+            inline_max_ns: AtomicU64::new(0),
+            inline_busy_max_ns: AtomicU64::new(0),
+            kind_costs: Mutex::new(Default::default()),
+            reject_log: RateLog::new(),
+            threads: n,
+            inline_inflight: AtomicUsize::new(0),
         });
+        calibrate_start(&shared);
         for i in 0..n {
             spawn_worker(shared.clone(), i);
         }
         Signer { _stop: Arc::new(StopOnDrop(shared.clone())), shared }
+    }
+
+    /// What the calibration measured and the rules it derived.
+    pub fn calibration(&self) -> Calibration {
+        self.shared.calib.lock().unwrap().clone()
     }
 
     pub fn config(&self) -> &SignerConfig {
@@ -370,7 +627,7 @@ impl Signer {
         let q = self.shared.queues.lock().unwrap();
         let depths: serde_json::Map<String, serde_json::Value> = KeyClass::ALL
             .iter()
-            .map(|c| (c.as_str().to_string(), q.by_class[c.index()].len().into()))
+            .map(|c| (c.as_str().to_string(), q.class_len(*c).into()))
             .collect();
         drop(q);
         let keys: serde_json::Map<String, serde_json::Value> = self
@@ -384,14 +641,34 @@ impl Signer {
             .iter()
             .filter(|c| **c != KeyClass::Other)
             .map(|c| {
-                let us = self.shared.cfg.fill_wait_for(*c).as_micros() as u64;
+                let us = self.shared.fill_wait(*c).as_micros() as u64;
                 (c.as_str().to_string(), us.into())
             })
             .collect();
+        let scalar_below: serde_json::Map<String, serde_json::Value> = KeyClass::ALL
+            .iter()
+            .filter(|c| self.shared.batches(**c))
+            .map(|c| (c.as_str().to_string(), self.shared.scalar_below(*c).into()))
+            .collect();
+        let q = self.shared.queues.lock().unwrap();
+        let budgets: serde_json::Map<String, serde_json::Value> = Budget::ALL
+            .iter()
+            .map(|b| {
+                let v = serde_json::json!({
+                    "queued": q.budget_depth[b.index()],
+                    "limit": self.shared.cfg.queue_limit,
+                });
+                (b.as_str().to_string(), v)
+            })
+            .collect();
+        drop(q);
         serde_json::json!({
             "config": self.shared.cfg,
             "threads": self.shared.cfg.thread_count(),
             "fill_wait_us": fill,
+            "scalar_below": scalar_below,
+            "calibration": self.calibration(),
+            "budgets": budgets,
             "queue_depth": depths,
             "live_keys": keys,
             "batches": self.batches(),
@@ -399,18 +676,83 @@ impl Signer {
         })
     }
 
-    /// Registers a certificate key; the entry lives as long as the contexts that hold it.
+    /// Registers a certificate key; the entry lives as long as the contexts that hold it. The
+    /// first key of a kind calibrates that kind (a few single ops; on the IFMA backend a few
+    /// passes of its class), logged.
     pub fn register(&self, key: PKey<Private>) -> Arc<KeyEntry> {
-        self.shared.keys.register(key)
+        let e = self.shared.keys.register(key);
+        self.shared.calibrate_key(&e);
+        e
     }
 
-    /// Queues a signing request and waits for its result.
+    /// Signs for a client-side (outbound) handshake: [`Signer::sign_for`] with
+    /// [`Budget::Outbound`].
     pub async fn sign(
         &self,
         key: Arc<KeyEntry>,
         msg: Vec<u8>,
         alg: SslSignatureAlgorithm,
     ) -> Result<Vec<u8>, SignError> {
+        self.sign_for(Budget::Outbound, key, msg, alg).await
+    }
+
+    /// Whether a request of `key` is signed on the calling thread now: its single op is cheap
+    /// (calibrated) and queueing gains nothing — the signer is idle (nothing queued, every signer
+    /// thread asleep, no other signature being computed inline: otherwise concurrent requests
+    /// could never meet in a batch), or the class never batches. On `true` the caller holds one
+    /// of `inline_inflight`, to release after signing.
+    fn sign_inline_now(&self, key: &KeyEntry) -> bool {
+        let sh = &self.shared;
+        let Some(cost) = key.single_op().map(|c| c.as_nanos() as u64) else { return false };
+        if cost > sh.inline_max_ns.load(Ordering::Relaxed) || sh.held.load(Ordering::SeqCst) {
+            return false;
+        }
+        if !sh.batches(key.class) && cost <= sh.inline_busy_max_ns.load(Ordering::Relaxed) {
+            sh.inline_inflight.fetch_add(1, Ordering::SeqCst);
+            return true;
+        }
+        let q = sh.queues.lock().unwrap();
+        !q.shutdown
+            && q.depth == 0
+            && q.sleepers >= sh.threads
+            && sh.inline_inflight.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+    }
+
+    /// Signs on the calling thread (BoringSSL single op), accounted like a batch of one.
+    fn sign_inline(
+        &self,
+        key: &KeyEntry,
+        msg: &[u8],
+        alg: SslSignatureAlgorithm,
+    ) -> Result<Vec<u8>, SignError> {
+        let m = &self.shared.metrics;
+        let algorithm = key.class.as_str();
+        let start = Instant::now();
+        let res = sign_one(&key.pkey, msg, alg);
+        let labels = OpLabels { algorithm, backend: Backend::Scalar.as_str() };
+        m.batch_seconds.get_or_create(&labels).observe(start.elapsed().as_secs_f64());
+        m.ops.get_or_create(&labels).inc();
+        m.inline_ops.get_or_create(&AlgLabels { algorithm }).inc();
+        m.batch_size.get_or_create(&AlgLabels { algorithm }).observe(1.0);
+        m.queue_wait.get_or_create(&AlgLabels { algorithm }).observe(0.0);
+        self.shared.batches.fetch_add(1, Ordering::Relaxed);
+        res
+    }
+
+    /// Signs with `key` for a handshake on the `budget` side: on the calling thread when the
+    /// inline rule says so, otherwise queued against that budget until a signer thread answers.
+    pub async fn sign_for(
+        &self,
+        budget: Budget,
+        key: Arc<KeyEntry>,
+        msg: Vec<u8>,
+        alg: SslSignatureAlgorithm,
+    ) -> Result<Vec<u8>, SignError> {
+        if self.sign_inline_now(&key) {
+            let r = self.sign_inline(&key, &msg, alg);
+            self.shared.inline_inflight.fetch_sub(1, Ordering::SeqCst);
+            return r;
+        }
         let (reply, rx) = oneshot::channel();
         let class = key.class;
         let req = Request {
@@ -426,22 +768,35 @@ impl Signer {
             if q.shutdown {
                 return Err(SignError::ShutDown);
             }
-            if q.depth >= self.shared.cfg.queue_limit {
-                let depth = q.depth;
+            let b = budget.index();
+            if q.budget_depth[b] >= self.shared.cfg.queue_limit {
+                let depth = q.budget_depth[b];
                 drop(q);
-                self.shared
-                    .metrics
-                    .rejected
-                    .get_or_create(&ReasonLabels { reason: "queue_full" })
-                    .inc();
-                tracing::warn!(depth, "signer queue full: refusing the handshake's signature");
+                let m = &self.shared.metrics;
+                m.rejected.get_or_create(&ReasonLabels { reason: "queue_full" }).inc();
+                m.budget_rejected.get_or_create(&BudgetLabels { budget: budget.as_str() }).inc();
+                if let Some(suppressed) = self.shared.reject_log.allow(Instant::now()) {
+                    tracing::warn!(
+                        depth,
+                        budget = budget.as_str(),
+                        suppressed,
+                        "signer queue full: refusing the handshake's signature (logged at most \
+                         once a second; `suppressed` counts the rejections not logged since)"
+                    );
+                }
                 return Err(SignError::QueueFull(depth));
             }
             let now = req.enqueued;
-            q.by_class[class.index()].push_back(req);
+            q.by_class[class.index()][b].push_back(req);
             q.flow[class.index()].arrive(now);
             q.depth += 1;
+            q.budget_depth[b] += 1;
             self.shared.metrics.queue_depth.set(q.depth as i64);
+            self.shared
+                .metrics
+                .budget_depth
+                .get_or_create(&BudgetLabels { budget: budget.as_str() })
+                .set(q.budget_depth[b] as i64);
             // Wake a thread only if one sleeps (a busy thread finds the request when it next
             // looks). A thread filling this class is woken only once there are eight (it wakes
             // by itself when arrivals pause); a filler of another class is woken when no idle
@@ -450,7 +805,7 @@ impl Signer {
             // does not wake only to block on the lock.
             let c = class.index();
             if q.filling[c] {
-                (q.by_class[c].len() >= crate::mb::LANES).then_some(Wake::Filler)
+                (q.class_len(class) >= crate::mb::LANES).then_some(Wake::Filler)
             } else if q.sleepers > 0 {
                 Some(Wake::Idle)
             } else if q.filling.iter().any(|f| *f) {
@@ -467,9 +822,17 @@ impl Signer {
         rx.await.map_err(|_| SignError::WorkerPanicked)?
     }
 
-    /// The `AsyncPrivateKeyMethod` for a context whose certificate's key is `key`.
+    /// The `AsyncPrivateKeyMethod` for a context whose certificate's key is `key`, drawing on the
+    /// outbound budget: [`Signer::key_method_for`] with [`Budget::Outbound`].
     pub fn key_method(&self, key: PKey<Private>) -> KeyMethod {
-        KeyMethod { key: self.register(key), signer: self.clone() }
+        self.key_method_for(key, Budget::Outbound)
+    }
+
+    /// The `AsyncPrivateKeyMethod` for a context whose certificate's key is `key` and whose
+    /// handshakes draw on `budget`: [`Budget::Inbound`] for server (acceptor) contexts,
+    /// [`Budget::Outbound`] for client (connector) contexts.
+    pub fn key_method_for(&self, key: PKey<Private>, budget: Budget) -> KeyMethod {
+        KeyMethod { key: self.register(key), signer: self.clone(), budget }
     }
 
     /// Test hook: the next batch computed panics inside the signer thread.
@@ -494,10 +857,53 @@ impl Signer {
         self.shared.full.notify_all();
     }
 
+    /// Signer threads waiting for work now (all of them: the signer is idle).
+    #[doc(hidden)]
+    pub fn threads_asleep(&self) -> usize {
+        self.shared.queues.lock().unwrap().sleepers
+    }
+
     /// Requests waiting now.
     pub fn queue_depth(&self) -> usize {
         self.shared.queues.lock().unwrap().depth
     }
+}
+
+/// Start-up calibration (a few milliseconds): the hand-off round trip, hence the inline
+/// threshold, and the P-256 kind (the default key type) with a fresh key — on the IFMA backend
+/// including the class's pass, crossover and fill bound. Other kinds calibrate on first use.
+fn calibrate_start(shared: &Shared) {
+    let t0 = Instant::now();
+    let h = calibrate::measure_handoff(33);
+    let max = calibrate::inline_max(h);
+    let busy = calibrate::inline_busy_max(h);
+    shared.inline_max_ns.store(max.as_nanos() as u64, Ordering::Relaxed);
+    shared.inline_busy_max_ns.store(busy.as_nanos() as u64, Ordering::Relaxed);
+    shared.metrics.calibrated_handoff.set(h.as_secs_f64());
+    shared.metrics.calibrated_inline_max.set(max.as_secs_f64());
+    {
+        let mut cal = shared.calib.lock().unwrap();
+        cal.handoff_us = h.as_secs_f64() * 1e6;
+        cal.inline_max_us = max.as_secs_f64() * 1e6;
+        cal.inline_busy_max_us = busy.as_secs_f64() * 1e6;
+        cal.took_ms = t0.elapsed().as_secs_f64() * 1e3;
+    }
+    tracing::info!(
+        handoff_us = h.as_secs_f64() * 1e6,
+        inline_max_us = max.as_secs_f64() * 1e6,
+        inline_busy_max_us = busy.as_secs_f64() * 1e6,
+        "signer calibrated the hand-off"
+    );
+    match crate::identity::ca::generate_key(crate::config::KeyAlgorithm::EcdsaP256) {
+        Ok(k) => {
+            // Registered in the table only for the duration of the measurement.
+            let e = shared.keys.register(k);
+            shared.calibrate_key(&e);
+        }
+        Err(e) => tracing::warn!(error = %e, "signer calibration: no P-256 key to measure"),
+    }
+    let mut cal = shared.calib.lock().unwrap();
+    shared.publish_rules(&mut cal);
 }
 
 fn spawn_worker(shared: Arc<Shared>, i: usize) {
@@ -543,12 +949,17 @@ fn next_batch(
             return None;
         }
         let held = shared.held.load(Ordering::SeqCst);
-        let oldest = KeyClass::ALL
-            .iter()
-            .filter(|c| mine == Some(**c) || !q.filling[c.index()])
-            .filter_map(|c| q.by_class[c.index()].front().map(|r| (r.enqueued, *c)))
-            .min_by_key(|(t, _)| *t);
-        let Some((since, class)) = oldest.filter(|_| !held) else {
+        // The budget whose turn it is picks the class (its oldest request's); the other budget
+        // picks when the first has nothing eligible.
+        let pick = |q: &Queues, budget: Option<usize>| {
+            KeyClass::ALL
+                .iter()
+                .filter(|c| mine == Some(**c) || !q.filling[c.index()])
+                .filter_map(|c| q.oldest(*c, budget).map(|t| (t, *c)))
+                .min_by_key(|(t, _)| *t)
+        };
+        let oldest = pick(&q, Some(q.turn)).or_else(|| pick(&q, None));
+        let Some((_, class)) = oldest.filter(|_| !held) else {
             q.sleepers += 1;
             q = shared.ready.wait(q).unwrap();
             q.sleepers -= 1;
@@ -559,7 +970,8 @@ fn next_batch(
             q.filling[c.index()] = false;
             mine = None;
         }
-        let len = q.by_class[class.index()].len();
+        let since = q.oldest(class, None).expect("the class has a request");
+        let len = q.class_len(class);
         let max_wait = shared.cfg.max_wait;
         if len < crate::mb::LANES && class != KeyClass::Other && !max_wait.is_zero() {
             let waited = since.elapsed();
@@ -574,7 +986,7 @@ fn next_batch(
             let now = Instant::now();
             let hold = FillPolicy::hold_until(
                 len,
-                shared.cfg.fill_wait_for(class),
+                shared.fill_wait(class),
                 since,
                 &q.flow[class.index()],
                 now,
@@ -583,9 +995,9 @@ fn next_batch(
             );
             // Another class has requests and no idle thread would take them: stop filling.
             let others_starved = q.sleepers == 0
-                && KeyClass::ALL.iter().any(|c| {
-                    *c != class && !q.filling[c.index()] && !q.by_class[c.index()].is_empty()
-                });
+                && KeyClass::ALL
+                    .iter()
+                    .any(|c| *c != class && !q.filling[c.index()] && !q.class_empty(*c));
             hold_ended_by_others = hold.is_some() && others_starved;
             if let Some(until) = hold.filter(|_| !others_starved) {
                 mine = Some(class);
@@ -599,7 +1011,7 @@ fn next_batch(
             let now = Instant::now();
             let outcome = if len >= crate::mb::LANES {
                 "full"
-            } else if now >= since + shared.cfg.fill_wait_for(class) {
+            } else if now >= since + shared.fill_wait(class) {
                 "bound"
             } else if hold_ended_by_others {
                 "other"
@@ -609,9 +1021,25 @@ fn next_batch(
             shared.metrics.fill_holds.get_or_create(&OutcomeLabels { outcome }).inc();
         }
         let take = if class == KeyClass::Other { 1 } else { len.min(crate::mb::LANES) };
-        let batch: Vec<Request> = q.by_class[class.index()].drain(..take).collect();
-        q.depth -= batch.len();
+        let first = q.turn;
+        let (batch, abandoned) = q.take(class, take, first);
+        q.turn ^= 1;
         shared.metrics.queue_depth.set(q.depth as i64);
+        for b in Budget::ALL {
+            let labels = BudgetLabels { budget: b.as_str() };
+            shared
+                .metrics
+                .budget_depth
+                .get_or_create(&labels)
+                .set(q.budget_depth[b.index()] as i64);
+        }
+        if abandoned > 0 {
+            let labels = AlgLabels { algorithm: class.as_str() };
+            shared.metrics.abandoned.get_or_create(&labels).inc_by(abandoned as u64);
+        }
+        if batch.is_empty() {
+            continue; // every request taken had been abandoned
+        }
         if q.depth > 0 && q.sleepers > 0 {
             shared.ready.notify_one();
         }
@@ -635,9 +1063,7 @@ fn worker_loop(shared: &Shared) {
         if shared.inject_panic.swap(false, Ordering::SeqCst) {
             panic!("injected signer panic (test hook)");
         }
-        let single = class == KeyClass::Other
-            || shared.cfg.backend == Backend::Scalar
-            || batch.len() <= shared.cfg.scalar_below_for(class);
+        let single = !shared.batches(class) || batch.len() <= shared.scalar_below(class);
         let backend = if single { Backend::Scalar } else { Backend::Ifma };
         let start = Instant::now();
         let fault = shared.inject_fault.swap(0, Ordering::SeqCst);
@@ -730,6 +1156,7 @@ pub fn sign_one(
 pub struct KeyMethod {
     key: Arc<KeyEntry>,
     signer: Signer,
+    budget: Budget,
 }
 
 impl AsyncPrivateKeyMethod for KeyMethod {
@@ -743,8 +1170,9 @@ impl AsyncPrivateKeyMethod for KeyMethod {
         let signer = self.signer.clone();
         let key = self.key.clone();
         let msg = input.to_vec();
+        let budget = self.budget;
         Ok(Box::pin(async move {
-            let sig = signer.sign(key, msg, alg).await.map_err(|e| {
+            let sig = signer.sign_for(budget, key, msg, alg).await.map_err(|e| {
                 tracing::warn!(error = %e, "handshake signature failed");
                 AsyncPrivateKeyMethodError
             })?;
@@ -823,6 +1251,17 @@ mod tests {
         f.arrive(after);
         assert!(f.gap.unwrap() > 0.012, "{:?}", f.gap);
         assert_eq!(FillPolicy::hold_until(2, 8 * MS, after, &f, after, false, true), None);
+    }
+
+    #[test]
+    fn the_rejection_log_speaks_once_a_second_and_counts_the_rest() {
+        let log = RateLog::new();
+        let t = Instant::now();
+        assert_eq!(log.allow(t), Some(0));
+        assert_eq!(log.allow(t + 10 * MS), None);
+        assert_eq!(log.allow(t + 500 * MS), None);
+        assert_eq!(log.allow(t + 1001 * MS), Some(2), "the two left out are counted");
+        assert_eq!(log.allow(t + 1002 * MS), None);
     }
 
     #[test]

@@ -547,7 +547,14 @@ pub async fn from(net: u8, host: u8) -> TcpStream {
 /// connection was refused or cut.
 pub async fn echo_ok(net: u8, host: u8) -> bool {
     let data = pattern(4096, host as u32);
-    let s = from(net, host).await;
+    // A refusal is a reset, which may arrive before the connect completes on this side.
+    let sock = TcpSocket::new_v4().unwrap();
+    sock.bind(SocketAddr::new(ip(net, host), 0)).unwrap();
+    let s = match sock.connect(SocketAddr::new(ip(net, 50), 8080)).await {
+        Ok(s) => s,
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return false,
+        Err(e) => panic!("connect to VIP: {e}"),
+    };
     let (mut r, mut w) = s.into_split();
     let sent = data.clone();
     let writer = tokio::spawn(async move {

@@ -1,7 +1,9 @@
 //! AVX-512 IFMA kernels for P-256: 8 lanes, radix 2^52, 5 limbs, limb-major.
 //!
 //! Every function here is a `#[target_feature]` function; the only entry from outside is
-//! [`sign8`], which the caller reaches after `crate::mb` detected avx512f/avx512ifma/avx512vl.
+//! [`sign8`], a safe function that requires the [`crate::mb::Ifma`] capability (proof that
+//! run-time detection found avx512f, avx512ifma and avx512vl). The unit tests call the inner
+//! kernels directly, each after obtaining that capability.
 //! See the module notes (`NOTES.md`) for the representation, bounds and constant-time argument.
 #![allow(clippy::needless_range_loop)]
 
@@ -760,8 +762,19 @@ pub(crate) fn base_mul(digits_abs: &[U64x8; WINDOWS], digits_neg: &[Mask8; WINDO
 /// One batch of eight ECDSA signatures: (r, s) per lane, big-endian, canonical; r or s may be 0
 /// (the caller retries those lanes). `d`: private scalars in [1, n); `e`: bits2int(H(m))
 /// (any 256-bit value); `k`: nonces in [1, n).
-#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
 pub(crate) fn sign8(
+    _cap: crate::mb::Ifma,
+    d: &[[u8; 32]; 8],
+    e: &[[u8; 32]; 8],
+    k: &[[u8; 32]; 8],
+) -> ([[u8; 32]; 8], [[u8; 32]; 8]) {
+    // SAFETY: an `Ifma` value exists only after run-time detection of avx512f, avx512ifma and
+    // avx512vl, the features `sign8_kernel` is compiled with.
+    unsafe { sign8_kernel(d, e, k) }
+}
+
+#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
+fn sign8_kernel(
     d: &[[u8; 32]; 8],
     e: &[[u8; 32]; 8],
     k: &[[u8; 32]; 8],

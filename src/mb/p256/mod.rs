@@ -126,7 +126,7 @@ pub fn sign_batch_with(
 /// Does nothing on a CPU without AVX-512 IFMA. Safe to call more than once.
 pub fn prepare() {
     #[cfg(target_arch = "x86_64")]
-    if crate::mb::cpu_features().ifma_capable() {
+    if crate::mb::Ifma::detect().is_some() {
         ifma::base_table();
     }
 }
@@ -172,26 +172,49 @@ pub fn sign_digests(
             }
         },
         Backend::Ifma => {
-            if !crate::mb::cpu_features().ifma_capable() {
+            let Some(cap) = crate::mb::Ifma::detect() else {
                 let e = MbError::Unsupported(format!(
                     "IFMA backend requested but the CPU lacks AVX-512 IFMA (detected: {})",
                     crate::mb::cpu_features()
                 ));
                 return vec![Err(e); n];
-            }
-            let mut out = Vec::with_capacity(n);
-            for start in (0..n).step_by(LANES) {
-                let end = (start + LANES).min(n);
-                let inj = match nonces {
-                    Nonces::Injected(v) => Nonces::Injected(&v[start..end]),
-                    Nonces::Hedged => Nonces::Hedged,
-                    Nonces::Deterministic => Nonces::Deterministic,
-                };
-                out.extend(sign_chunk_ifma(&keys[start..end], &digests[start..end], &inj));
-            }
-            out
+            };
+            sign_digests_raw(cap, keys, digests, nonces)
+                .into_iter()
+                .map(|r| r.map(|(r, s)| der_signature(&r, &s)))
+                .collect()
         }
     }
+}
+
+/// An ECDSA signature as (r, s), each 32 big-endian bytes.
+pub type RawSig = ([u8; 32], [u8; 32]);
+
+/// The IFMA path of [`sign_digests`] without the DER encoding: `(r, s)` per lane, big-endian.
+/// Hidden: the timing report measures this, so that DER encoding (which branches on the public
+/// r and s) stays outside the timed region.
+#[doc(hidden)]
+pub fn sign_digests_raw(
+    cap: crate::mb::Ifma,
+    keys: &[&EcdsaKey],
+    digests: &[[u8; 32]],
+    nonces: &Nonces<'_>,
+) -> Vec<Result<RawSig, MbError>> {
+    let n = keys.len();
+    if digests.len() != n || matches!(nonces, Nonces::Injected(v) if v.len() != n) {
+        return vec![Err(MbError::InvalidInput("batch length mismatch".to_string())); n];
+    }
+    let mut out = Vec::with_capacity(n);
+    for start in (0..n).step_by(LANES) {
+        let end = (start + LANES).min(n);
+        let inj = match nonces {
+            Nonces::Injected(v) => Nonces::Injected(&v[start..end]),
+            Nonces::Hedged => Nonces::Hedged,
+            Nonces::Deterministic => Nonces::Deterministic,
+        };
+        out.extend(sign_chunk_ifma(cap, &keys[start..end], &digests[start..end], &inj));
+    }
+    out
 }
 
 fn sign_scalar(key: &EcdsaKey, digest: &[u8; 32]) -> Result<Vec<u8>, MbError> {
@@ -201,10 +224,11 @@ fn sign_scalar(key: &EcdsaKey, digest: &[u8; 32]) -> Result<Vec<u8>, MbError> {
 
 #[cfg(target_arch = "x86_64")]
 fn sign_chunk_ifma(
+    cap: crate::mb::Ifma,
     keys: &[&EcdsaKey],
     digests: &[[u8; 32]],
     nonces: &Nonces<'_>,
-) -> Vec<Result<Vec<u8>, MbError>> {
+) -> Vec<Result<RawSig, MbError>> {
     let n = keys.len();
     debug_assert!(n <= LANES);
     // Unused lanes compute a harmless dummy signature (d = 1, k = 1, e = 0) that is discarded.
@@ -233,7 +257,7 @@ fn sign_chunk_ifma(
         }
         Nonces::Injected(_) => ((0..n).map(|_| None).collect(), Vec::new()),
     };
-    let mut out: Vec<Option<Result<Vec<u8>, MbError>>> = vec![None; n];
+    let mut out: Vec<Option<Result<RawSig, MbError>>> = vec![None; n];
     for attempt in 0..MAX_ATTEMPTS {
         for i in 0..n {
             if out[i].is_some() {
@@ -262,12 +286,11 @@ fn sign_chunk_ifma(
         if out.iter().all(Option::is_some) {
             break;
         }
-        // SAFETY: the caller checked that the CPU has avx512f, avx512ifma and avx512vl.
-        let (r, s) = unsafe { ifma::sign8(&d, &e, &k) };
+        let (r, s) = ifma::sign8(cap, &d, &e, &k);
         for i in 0..n {
             // r and s are public outputs; testing them for zero leaks nothing about d or k.
             if out[i].is_none() && r[i] != [0u8; 32] && s[i] != [0u8; 32] {
-                out[i] = Some(Ok(der_signature(&r[i], &s[i])));
+                out[i] = Some(Ok((r[i], s[i])));
             }
         }
     }
@@ -278,10 +301,11 @@ fn sign_chunk_ifma(
 
 #[cfg(not(target_arch = "x86_64"))]
 fn sign_chunk_ifma(
+    _cap: crate::mb::Ifma,
     keys: &[&EcdsaKey],
     _digests: &[[u8; 32]],
     _nonces: &Nonces<'_>,
-) -> Vec<Result<Vec<u8>, MbError>> {
+) -> Vec<Result<RawSig, MbError>> {
     vec![Err(MbError::Unsupported("IFMA backend needs x86_64".into())); keys.len()]
 }
 

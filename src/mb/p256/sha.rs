@@ -27,16 +27,18 @@ const K: [u32; 64] = [
 pub(crate) fn compress(h: &mut State, blocks: &[u8]) {
     debug_assert_eq!(blocks.len() % 64, 0);
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("sha")
-            && std::arch::is_x86_feature_detected!("sse4.1")
-        {
-            // SAFETY: the CPU has SHA-NI and SSE4.1 (checked just above).
-            unsafe { compress_shani(h, blocks) };
-            return;
-        }
+    if let Some(cap) = crate::mb::cpu::ShaNi::detect() {
+        return compress_shani(cap, h, blocks);
     }
     compress_portable(h, blocks);
+}
+
+/// The SHA-NI compression, behind the capability that proves its features were detected.
+#[cfg(target_arch = "x86_64")]
+fn compress_shani(_cap: crate::mb::cpu::ShaNi, h: &mut State, blocks: &[u8]) {
+    // SAFETY: a `ShaNi` value exists only after run-time detection of sha, sse2, ssse3 and
+    // sse4.1, exactly the features `compress_shani_kernel` enables.
+    unsafe { compress_shani_kernel(h, blocks) }
 }
 
 fn compress_portable(h: &mut State, blocks: &[u8]) {
@@ -77,7 +79,7 @@ fn compress_portable(h: &mut State, blocks: &[u8]) {
 /// `cdgh` holds (c, d, g, h), each listed from the highest 32-bit lane down.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "sha,sse2,ssse3,sse4.1")]
-fn compress_shani(h: &mut State, blocks: &[u8]) {
+fn compress_shani_kernel(h: &mut State, blocks: &[u8]) {
     use core::arch::x86_64::*;
     // SAFETY (loads/stores below): `h` is 32 bytes, every block is 64 bytes; unaligned ops.
     unsafe {
@@ -127,8 +129,15 @@ fn compress_shani(h: &mut State, blocks: &[u8]) {
 /// Eight independent SHA-256 compressions at once, one per 32-bit lane of a 256-bit register
 /// (AVX-512VL rotates and three-input logic). Used for the lockstep nonce DRBG of a batch.
 #[cfg(target_arch = "x86_64")]
+fn compress_x8(_cap: crate::mb::cpu::Avx512Vl, hs: &mut [State; 8], blocks: &[&[u8]; 8]) {
+    // SAFETY: an `Avx512Vl` value exists only after run-time detection of avx2, avx512f and
+    // avx512vl, exactly the features `compress_x8_kernel` enables.
+    unsafe { compress_x8_kernel(hs, blocks) }
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,avx512f,avx512vl")]
-fn compress_x8(hs: &mut [State; 8], blocks: &[&[u8]; 8]) {
+fn compress_x8_kernel(hs: &mut [State; 8], blocks: &[&[u8]; 8]) {
     use core::arch::x86_64::*;
     // Transpose through plain arrays (closures would not inherit the target features).
     let mut wt = [[0u32; 8]; 16];
@@ -233,12 +242,8 @@ fn compress_x8(hs: &mut [State; 8], blocks: &[&[u8]; 8]) {
 /// otherwise one by one.
 pub(crate) fn compress_lanes(hs: &mut [State; 8], blocks: &[&[u8]; 8]) {
     #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512vl") {
-            // SAFETY: the CPU has AVX-512F/VL (checked above; AVX2 is implied).
-            unsafe { compress_x8(hs, blocks) };
-            return;
-        }
+    if let Some(cap) = crate::mb::cpu::Avx512Vl::detect() {
+        return compress_x8(cap, hs, blocks);
     }
     for (h, b) in hs.iter_mut().zip(blocks) {
         compress(h, b);

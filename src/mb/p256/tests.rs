@@ -9,12 +9,14 @@ use rand_chacha::ChaCha20Rng;
 
 use super::ifma::*;
 
+/// The shared skip-or-fail helper (fails under `REQUIRE_IFMA=1`).
 fn ifma() -> bool {
-    let ok = crate::mb::cpu_features().ifma_capable();
-    if !ok {
-        eprintln!("skipped: CPU lacks AVX-512 IFMA");
-    }
-    ok
+    crate::mb::require_ifma("P-256 IFMA kernel test").is_some()
+}
+
+/// The capability, after [`ifma`] said yes.
+fn cap() -> crate::mb::Ifma {
+    crate::mb::Ifma::detect().expect("checked by ifma()")
 }
 
 fn bn_from_limbs(l: &[u64; 5]) -> BigNum {
@@ -643,7 +645,7 @@ fn perf_probe() {
     println!("base_mul          {r:8.1} ns");
     let d = [[7u8; 32]; 8];
     let r = best_ns(1, || {
-        bb(unsafe { sign8(&d, &d, &d) });
+        bb(sign8(cap(), &d, &d, &d));
     });
     println!("sign8             {r:8.1} ns");
     let kr: [[u8; 32]; 8] = std::array::from_fn(|_| {
@@ -652,7 +654,7 @@ fn perf_probe() {
         k
     });
     let r = best_ns(1, || {
-        bb(unsafe { sign8(&d, &d, &kr) });
+        bb(sign8(cap(), &d, &d, &kr));
     });
     println!("sign8 random k    {r:8.1} ns");
     let h = [9u8; 32];
@@ -710,8 +712,7 @@ fn perf_sign8_loop() {
     }
     let d = [[7u8; 32]; 8];
     for _ in 0..20_000 {
-        // SAFETY: IFMA detected above.
-        std::hint::black_box(unsafe { sign8(&d, &d, &d) });
+        std::hint::black_box(sign8(cap(), &d, &d, &d));
     }
 }
 
@@ -725,9 +726,11 @@ fn perf_nonce_loop() {
     }
 }
 
-/// dudect-style timing report for the kernel alone (reports, never asserts): `sign8` with a
-/// fixed nonce and key in every lane (k = 1, the most "special" scalar) against random ones,
-/// Welch's t on the timings after cropping the slow tail as dudect does.
+/// dudect-style timing report for the kernel alone: `sign8` with a fixed private key in every
+/// lane against random keys, both classes with random nonces (the nonce is secret too, but it is
+/// random in production, so it is not the variable under test here). Welch's t on the timings
+/// after cropping the slow tail as dudect does; the verdict printed follows |t|, and with
+/// `MBTUNNEL_DUDECT_ASSERT=1` the test asserts |t| < 4.5.
 /// Run: `taskset -c 1 cargo test --release --lib -- --ignored --nocapture dudect_kernel`.
 #[test]
 #[ignore]
@@ -737,39 +740,34 @@ fn dudect_kernel() {
     }
     let mut rng = ChaCha20Rng::seed_from_u64(24);
     let n = ctx().n;
-    let mut one = [0u8; 32];
-    one[31] = 1;
     let fixed_d = [[0x42u8; 32]; 8];
     let e = [[0x17u8; 32]; 8];
-    // DUDECT_FIXED_K=random uses a fixed but random-looking nonce instead of k = 1.
-    if std::env::var("DUDECT_FIXED_K").as_deref() == Ok("random") {
-        one = rand_scalar(&mut rng, &n).to_vec_padded(32).unwrap().try_into().unwrap();
-    }
     // All inputs are generated before any measurement, so that both classes see the same
     // activity (and cache state) between measurements.
     type Input = (usize, [[u8; 32]; 8], [[u8; 32]; 8]);
+    let r = |rng: &mut ChaCha20Rng| -> [u8; 32] {
+        rand_scalar(rng, &n).to_vec_padded(32).unwrap().try_into().unwrap()
+    };
     let inputs: Vec<Input> = (0..40_000)
         .map(|_| {
             let class = rng.gen_range(0..2usize);
-            if class == 0 {
-                (class, fixed_d, [one; 8])
-            } else {
-                let mut r = || -> [u8; 32] {
-                    rand_scalar(&mut rng, &n).to_vec_padded(32).unwrap().try_into().unwrap()
-                };
-                (class, std::array::from_fn(|_| r()), std::array::from_fn(|_| r()))
-            }
+            let k: [[u8; 32]; 8] = std::array::from_fn(|_| r(&mut rng));
+            let d = if class == 0 { fixed_d } else { std::array::from_fn(|_| r(&mut rng)) };
+            (class, d, k)
         })
         .collect();
     let mut obs: Vec<(usize, f64)> = Vec::with_capacity(inputs.len());
     for (i, (class, d, k)) in inputs.iter().enumerate() {
         let t0 = std::time::Instant::now();
-        // SAFETY: IFMA detected above.
-        std::hint::black_box(unsafe { sign8(d, &e, k) });
+        std::hint::black_box(sign8(cap(), d, &e, k));
         let dt = t0.elapsed().as_nanos() as f64;
         if i >= 2000 {
             obs.push((*class, dt));
         }
     }
-    crate::mb::timing::report_cropped("kernel dudect", &obs, &[10, 50, 90, 100]);
+    crate::mb::timing::report_cropped(
+        "kernel dudect, fixed vs random key",
+        &obs,
+        &[10, 50, 90, 100],
+    );
 }

@@ -3,8 +3,8 @@
 //! eight lanes).
 //!
 //! Every function here is a `#[target_feature(enable = "avx512f,avx512ifma,avx512vl")]` function.
-//! The only entry from outside is [`crt_batch`], reached from `super` after the runtime feature
-//! check (`crate::mb::cpu_features().ifma_capable()`).
+//! The only entry from outside is [`crt_batch`], a safe function that requires the
+//! [`crate::mb::Ifma`] capability (proof that run-time detection found all three features).
 //!
 //! Constant time: loops run over public bounds only (limb counts, window counts); secret values
 //! (exponents, intermediate results) only flow through arithmetic, shifts and per-lane masked
@@ -583,10 +583,22 @@ pub(crate) struct BatchOut<const L2: usize> {
 /// radix 2^52 (`L2` limbs, below that lane's n). `corrupt` flips a bit of the result in the given
 /// lanes before the check (test hook; 0 in production). `L2 = 2L`, `L4 = 4L`.
 ///
-/// # Safety
-/// The CPU must support avx512f, avx512ifma and avx512vl.
+/// The capability argument is the proof that the CPU has the kernels' features.
+pub(crate) fn crt_batch<const L: usize, const L2: usize, const L4: usize>(
+    _cap: crate::mb::Ifma,
+    keys: &[LaneKey<'_>; 8],
+    em: &[&[u64]; 8],
+    ebits: usize,
+    w: usize,
+    corrupt: u8,
+) -> BatchOut<L2> {
+    // SAFETY: an `Ifma` value exists only after run-time detection of avx512f, avx512ifma and
+    // avx512vl, the features `crt_batch_kernel` is compiled with.
+    unsafe { crt_batch_kernel::<L, L2, L4>(keys, em, ebits, w, corrupt) }
+}
+
 #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
-pub(crate) unsafe fn crt_batch<const L: usize, const L2: usize, const L4: usize>(
+fn crt_batch_kernel<const L: usize, const L2: usize, const L4: usize>(
     keys: &[LaneKey<'_>; 8],
     em: &[&[u64]; 8],
     ebits: usize,
@@ -656,12 +668,9 @@ mod tests {
     use rand::{Rng, RngCore, SeedableRng};
     use rand_chacha::ChaCha20Rng;
 
+    /// The shared skip-or-fail helper (fails under `REQUIRE_IFMA=1`).
     fn have_ifma() -> bool {
-        let ok = crate::mb::cpu_features().ifma_capable();
-        if !ok {
-            eprintln!("skipping: CPU lacks AVX-512 IFMA");
-        }
-        ok
+        crate::mb::require_ifma("RSA IFMA kernel test").is_some()
     }
 
     fn rand_bn(rng: &mut ChaCha20Rng, bits: usize) -> BigNum {

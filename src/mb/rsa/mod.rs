@@ -469,11 +469,11 @@ fn private_op_with(
 ) -> Vec<Result<Vec<u8>, MbError>> {
     let mut out: Vec<Result<Vec<u8>, MbError>> =
         reps.iter().map(|_| Err(MbError::InvalidInput("not computed".into()))).collect();
-    let ifma_ok = crate::mb::cpu_features().ifma_capable();
+    let cap = crate::mb::Ifma::detect();
     let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
     for i in 0..keys.len() {
         match (backend, &keys[i].pre) {
-            (Backend::Ifma, Some(_)) if !ifma_ok => {
+            (Backend::Ifma, Some(_)) if cap.is_none() => {
                 out[i] = Err(MbError::Unsupported(
                     "IFMA backend requested on a CPU without AVX-512 IFMA".into(),
                 ));
@@ -489,7 +489,8 @@ fn private_op_with(
         for chunk in idx.chunks(LANES) {
             let ks: Vec<&RsaPrivateKey> = chunk.iter().map(|&i| keys[i]).collect();
             let rs: Vec<&[u8]> = chunk.iter().map(|&i| reps[i]).collect();
-            for (r, &i) in ifma_batch(&ks, &rs).into_iter().zip(chunk) {
+            let cap = cap.expect("groups hold IFMA lanes only when the capability was detected");
+            for (r, &i) in ifma_batch(cap, &ks, &rs).into_iter().zip(chunk) {
                 out[i] = r;
             }
         }
@@ -509,7 +510,11 @@ fn scalar_private_op(key: &RsaPrivateKey, rep: &[u8]) -> Result<Vec<u8>, MbError
 /// One IFMA batch of 1..=8 lanes, all keys of the same size and IFMA-eligible. Unused lanes
 /// repeat lane 0 and their results are dropped.
 #[cfg(target_arch = "x86_64")]
-fn ifma_batch(keys: &[&RsaPrivateKey], reps: &[&[u8]]) -> Vec<Result<Vec<u8>, MbError>> {
+fn ifma_batch(
+    cap: crate::mb::Ifma,
+    keys: &[&RsaPrivateKey],
+    reps: &[&[u8]],
+) -> Vec<Result<Vec<u8>, MbError>> {
     debug_assert!(!keys.is_empty() && keys.len() <= LANES);
     let pre: Vec<&Precomp> = keys.iter().map(|k| k.pre.as_ref().expect("eligible")).collect();
     let l = pre[0].l;
@@ -543,19 +548,20 @@ fn ifma_batch(keys: &[&RsaPrivateKey], reps: &[&[u8]]) -> Vec<Result<Vec<u8>, Mb
     let corrupt = INJECT_FAULT.with(|c| c.replace(0));
     let ebits = bits / 2;
     let w = if bits <= 2048 { 4 } else { 5 };
-    // SAFETY: callers reach here only when `cpu_features().ifma_capable()` is true.
-    let (sigs, ok): (Vec<Vec<u64>>, u8) = unsafe {
+    let (sigs, ok): (Vec<Vec<u64>>, u8) = {
         match l {
             20 => {
-                let o = ifma::crt_batch::<20, 40, 80>(&lane_keys, &em_refs, ebits, w, corrupt);
+                let o = ifma::crt_batch::<20, 40, 80>(cap, &lane_keys, &em_refs, ebits, w, corrupt);
                 (o.sig.iter().map(|s| s.to_vec()).collect(), o.ok)
             }
             30 => {
-                let o = ifma::crt_batch::<30, 60, 120>(&lane_keys, &em_refs, ebits, w, corrupt);
+                let o =
+                    ifma::crt_batch::<30, 60, 120>(cap, &lane_keys, &em_refs, ebits, w, corrupt);
                 (o.sig.iter().map(|s| s.to_vec()).collect(), o.ok)
             }
             40 => {
-                let o = ifma::crt_batch::<40, 80, 160>(&lane_keys, &em_refs, ebits, w, corrupt);
+                let o =
+                    ifma::crt_batch::<40, 80, 160>(cap, &lane_keys, &em_refs, ebits, w, corrupt);
                 (o.sig.iter().map(|s| s.to_vec()).collect(), o.ok)
             }
             _ => unreachable!("precompute only admits 20, 30 or 40 limbs"),
@@ -575,6 +581,10 @@ fn ifma_batch(keys: &[&RsaPrivateKey], reps: &[&[u8]]) -> Vec<Result<Vec<u8>, Mb
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn ifma_batch(keys: &[&RsaPrivateKey], _reps: &[&[u8]]) -> Vec<Result<Vec<u8>, MbError>> {
+fn ifma_batch(
+    _cap: crate::mb::Ifma,
+    keys: &[&RsaPrivateKey],
+    _reps: &[&[u8]],
+) -> Vec<Result<Vec<u8>, MbError>> {
     keys.iter().map(|_| Err(MbError::Unsupported("IFMA needs x86_64".into()))).collect()
 }
