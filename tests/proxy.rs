@@ -230,13 +230,15 @@ async fn peer_from_another_ca_is_refused_and_counted() {
 async fn server_with_wrong_spiffe_id_is_refused() {
     // Node A believes the echo workload runs as `expected-echo`; B presents `echo`.
     let m = start_mesh(15, "expected-echo", "ecdsa-p256").await;
-    let mut s = client(15).await;
-    s.write_all(b"hello").await.unwrap();
-    let mut buf = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
-        .await
-        .expect("closed");
-    assert!(buf.is_empty(), "no byte may cross to an unverified server");
+    // The refusal may reset the connection before connect() returns, or after the write.
+    if let Ok(mut s) = common::try_client(15).await {
+        let _ = s.write_all(b"hello").await;
+        let mut buf = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf))
+            .await
+            .expect("closed");
+        assert!(buf.is_empty(), "no byte may cross to an unverified server");
+    }
     let t = m.a.metrics_text();
     assert_eq!(
         metric(&t, "mbtunnel_tls_handshakes_total", &["side=\"client\"", "failure"]),

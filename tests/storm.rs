@@ -2,9 +2,10 @@
 //! system trust store; the HBONE pool is single-flight, opens a second connection before a full
 //! one blocks, and closes idle connections by a timer; silent and stalled handshakes are evicted
 //! or timed out without locking clients out; TLS failures carry their real reason and the alert
-//! ztunnel sends; bytes are counted when a connection fails, and a cut connection is reset.
+//! ztunnel sends; bytes are counted when a connection fails, and a cut connection is reset, on
+//! either side of an HBONE tunnel.
 //!
-//! Loopback blocks used here: 127.0.71.x – 127.0.78.x.
+//! Loopback blocks used here: 127.0.71.x – 127.0.79.x (79 inside a namespace of its own), 127.0.81.x.
 
 mod common;
 
@@ -190,12 +191,14 @@ async fn tls_failures_carry_their_real_reason_and_the_refusal_alert_is_certifica
     wait_until("tls_peer_closed", || refused(&m.b.metrics_text(), "tls_peer_closed") >= 1.0).await;
 
     // The wrong identity: A refuses B's certificate and says so with certificate_unknown.
-    let mut s = client(76).await;
-    let _ = s.write_all(b"x").await;
-    let mut sink = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut sink)).await;
+    // (The refusal may reset the client's connection before connect() returns.)
+    if let Ok(mut s) = common::try_client(76).await {
+        let _ = s.write_all(b"x").await;
+        let mut sink = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut sink)).await;
+    }
+    wait_until("A's refusal", || refused(&m.a.metrics_text(), "tls_wrong_identity") >= 1.0).await;
     let (ta, tb) = (m.a.metrics_text(), m.b.metrics_text());
-    assert!(refused(&ta, "tls_wrong_identity") >= 1.0, "{ta}");
     let alert = |t: &str, dir: &str| {
         metric(
             t,
@@ -250,10 +253,10 @@ async fn a_failed_connection_reports_the_bytes_it_moved() {
         }
     };
     assert!(got > 0, "the client received part of the transfer");
-    // Across HBONE the far side's reset arrives as the end of the CONNECT stream: hyper ends an
-    // upgraded h2 stream with END_STREAM whatever happened, so A cannot tell the client more
-    // than EOF (the local cases, a cut or a failed plaintext leg, are resets; see the drain test).
-    let _ = end;
+    // The upstream's reset crosses HBONE (B resets the CONNECT stream, A resets the client):
+    // the client must not mistake the truncated transfer for a complete one.
+    let e = end.expect_err("a reset upstream reaches the client as a reset, not an EOF");
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
     drop(s);
     // Both proxies counted what they moved before the failure.
     let sent = |t: &str| metric(t, "istio_tcp_sent_bytes_total", &[]).unwrap_or(0.0);
@@ -285,4 +288,83 @@ async fn a_connection_cut_at_the_drain_deadline_is_reset() {
     let e = r.expect_err("a cut connection is reset, not ended cleanly");
     assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
     drop(m.b);
+}
+
+/// Row 10. With conntrack active in a namespace (any NAT rule loads it) SO_ORIGINAL_DST answers
+/// for every tracked connection, redirected or not; for a direct one it is the socket's own
+/// address. The demo layout puts A's outbound listener on the service VIP, so such a connection
+/// must go through — before the fix every one was refused as a loop.
+#[test]
+fn conntrack_in_the_namespace_does_not_make_a_direct_connection_a_loop() {
+    require_netns!();
+    let lone = common::netns::Lone::new("ct");
+    // A NAT rule for a port nothing here uses: it only makes the kernel track connections.
+    common::netns::sh(&[
+        "ip",
+        "netns",
+        "exec",
+        &lone.name,
+        "iptables",
+        "-t",
+        "nat",
+        "-A",
+        "OUTPUT",
+        "-p",
+        "tcp",
+        "--dport",
+        "9",
+        "-j",
+        "REDIRECT",
+        "--to-ports",
+        "10",
+    ]);
+    common::netns::ip(&lone.name, "link set lo up");
+    lone.run(|| {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            // Precondition: conntrack answers for a connection nothing redirected.
+            let l = TcpListener::bind("127.0.79.9:7000").await.unwrap();
+            let _c = TcpStream::connect("127.0.79.9:7000").await.unwrap();
+            let (accepted, _) = l.accept().await.unwrap();
+            assert_eq!(
+                mbtunnel::net::socket::original_dst(&accepted),
+                Some("127.0.79.9:7000".parse().unwrap()),
+                "conntrack is not tracking loopback connections in this namespace"
+            );
+            let m = mesh_with(79, "echo", |_| {}).await;
+            start_echo(SocketAddr::new(ip(79, 3), 8080)).await;
+            for i in 0..3u8 {
+                assert_eq!(round_trip(client(79).await, vec![i; 100]).await, vec![i; 100]);
+            }
+            assert_eq!(refused(&m.a.metrics_text(), "loop"), 0.0);
+        });
+    });
+}
+
+/// Row 8, the other direction: a client that resets its connection makes B reset the app's
+/// connection, which would otherwise see a clean FIN and take the partial request as whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reset_reaches_the_app_as_a_reset() {
+    let m = mesh_with(81, "echo", |_| {}).await;
+    let l = TcpListener::bind(SocketAddr::new(ip(81, 3), 8080)).await.unwrap();
+    let mut s = client(81).await;
+    s.write_all(b"half a request").await.unwrap();
+    let (mut app, _) = tokio::time::timeout(Duration::from_secs(10), l.accept())
+        .await
+        .expect("B dials the app")
+        .unwrap();
+    let mut buf = [0u8; 14];
+    app.read_exact(&mut buf).await.unwrap();
+    socket2::SockRef::from(&s).set_linger(Some(Duration::ZERO)).unwrap();
+    drop(s);
+    let r = tokio::time::timeout(Duration::from_secs(10), app.read(&mut buf))
+        .await
+        .expect("the client's reset reaches the app");
+    let e = r.expect_err("a reset, not an EOF");
+    assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+    drop(m);
 }

@@ -4,15 +4,14 @@
 
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
-use http_body_util::Empty;
-use hyper::client::conn::http2::SendRequest;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 
+use super::stream::H2Stream;
 use super::{HboneError, CONNECTION_WINDOW, MAX_FRAME, PING_INTERVAL, PING_TIMEOUT, STREAM_WINDOW};
 use crate::metrics::Metrics;
 use crate::tls::Stream;
@@ -23,64 +22,114 @@ pub struct ConnectHeaders {
     pub baggage: String,
 }
 
+/// The client end of one h2 connection: clones share it.
+#[derive(Clone)]
+pub struct H2Client {
+    sender: h2::client::SendRequest<Bytes>,
+    closed: Arc<AtomicBool>,
+}
+
+impl H2Client {
+    /// The connection ended (peer closed, error, keepalive timeout) or is going away.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Waits until a stream can be opened; fails when the connection is gone.
+    pub async fn ready(&mut self) -> Result<(), HboneError> {
+        std::future::poll_fn(|cx| self.sender.poll_ready(cx)).await.map_err(|e| {
+            self.closed.store(true, Ordering::Release);
+            HboneError::from(e)
+        })
+    }
+}
+
 /// HTTP/2 client handshake over `tls`; the connection is driven by a task of its own, which
-/// ends when the peer closes or every sender is dropped.
+/// pings the peer every [`PING_INTERVAL`] and ends the connection when a pong takes longer than
+/// [`PING_TIMEOUT`], when the peer closes, or when every clone of the client is dropped.
 pub async fn handshake<S: Stream>(
     tls: tokio_boring::SslStream<S>,
     dst: SocketAddr,
     metrics: Arc<Metrics>,
-) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
-    let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .initial_stream_window_size(STREAM_WINDOW)
+) -> Result<H2Client, HboneError> {
+    let (sender, mut conn) = h2::client::Builder::new()
+        .initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
-        .keep_alive_interval(PING_INTERVAL)
-        .keep_alive_timeout(PING_TIMEOUT)
-        .keep_alive_while_idle(true)
-        .handshake(TokioIo::new(tls))
+        .max_header_list_size(super::MAX_HEADER_LIST)
+        .enable_push(false)
+        .handshake::<_, Bytes>(tls)
         .await?;
+    let closed = Arc::new(AtomicBool::new(false));
+    let flag = closed.clone();
+    let ping = conn.ping_pong();
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            let kind = metrics.h2_error("client", &e);
-            tracing::info!(%dst, error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+        tokio::select! {
+            r = &mut conn => if let Err(e) = r {
+                let kind = metrics.h2_error("client", &e);
+                tracing::info!(%dst, error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+            },
+            why = keepalive(ping) => {
+                tracing::info!(%dst, why, "HBONE connection closed: keepalive failed");
+            }
         }
+        flag.store(true, Ordering::Release);
     });
-    Ok(sender)
+    Ok(H2Client { sender, closed })
 }
 
-/// Sends `CONNECT target` on `sender` and waits for the tunnel.
+/// Pings every [`PING_INTERVAL`]; returns why it stopped when a pong is late or pings fail.
+pub(super) async fn keepalive(ping: Option<h2::PingPong>) -> &'static str {
+    let Some(mut ping) = ping else { return std::future::pending().await };
+    loop {
+        tokio::time::sleep(PING_INTERVAL).await;
+        match tokio::time::timeout(PING_TIMEOUT, ping.ping(h2::Ping::opaque())).await {
+            Ok(Ok(_pong)) => {}
+            Ok(Err(_)) => return "ping failed",
+            Err(_) => return "no pong within the timeout",
+        }
+    }
+}
+
+/// Sends `CONNECT target` on `client` and waits for the tunnel.
 pub async fn connect(
-    sender: &mut SendRequest<Empty<Bytes>>,
+    client: &mut H2Client,
     target: SocketAddr,
     headers: &ConnectHeaders,
-) -> Result<hyper::upgrade::Upgraded, HboneError> {
-    sender.ready().await?;
+) -> Result<H2Stream, HboneError> {
+    client.ready().await?;
     let req = Request::builder()
         .method(Method::CONNECT)
         .uri(target.to_string())
         .header("forwarded", format!("for=\"{}\"", headers.source))
         .header("baggage", &headers.baggage)
         .header("traceparent", traceparent())
-        .body(Empty::<Bytes>::new())
+        .body(())
         .map_err(|e| HboneError::H2(e.to_string()))?;
-    let resp = sender.send_request(req).await?;
+    let (resp, send) = client.sender.send_request(req, false)?;
+    let resp = resp.await?;
     if resp.status() != StatusCode::OK {
         return Err(HboneError::Status(resp.status()));
     }
-    Ok(hyper::upgrade::on(resp).await?)
+    Ok(H2Stream::new(send, resp.into_body()))
 }
 
 /// An open tunnel: the `CONNECT` stream's bytes, and the pool's lease on a stream slot of its
 /// connection, given back when the tunnel is dropped.
 pub struct Tunnel {
-    io: TokioIo<hyper::upgrade::Upgraded>,
+    io: H2Stream,
     _lease: super::pool::Lease,
 }
 
 impl Tunnel {
-    pub(super) fn new(up: hyper::upgrade::Upgraded, lease: super::pool::Lease) -> Tunnel {
-        Tunnel { io: TokioIo::new(up), _lease: lease }
+    pub(super) fn new(io: H2Stream, lease: super::pool::Lease) -> Tunnel {
+        Tunnel { io, _lease: lease }
+    }
+
+    /// Ends the tunnel abnormally (its client connection was reset or cut): the far side resets
+    /// its upstream connection instead of closing it cleanly.
+    pub fn reset(&mut self) {
+        self.io.reset();
     }
 }
 
@@ -109,18 +158,6 @@ impl tokio::io::AsyncWrite for Tunnel {
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.io).poll_shutdown(cx)
-    }
-
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
     }
 }
 

@@ -9,6 +9,7 @@
 pub mod client;
 pub mod pool;
 pub mod server;
+pub mod stream;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -17,9 +18,10 @@ use http::StatusCode;
 
 use crate::tls::TlsError;
 
-pub use client::{traceparent, ConnectHeaders, Tunnel};
+pub use client::{traceparent, ConnectHeaders, H2Client, Tunnel};
 pub use pool::{LocalConnector, Pool, PoolKey};
 pub use server::{check_connect, parse_connect, server_builder, ConnectRefusal};
+pub use stream::H2Stream;
 
 /// h2 settings as ztunnel's: large windows and frames, keepalive pings.
 pub const STREAM_WINDOW: u32 = 4 * 1024 * 1024;
@@ -29,6 +31,15 @@ pub const PING_INTERVAL: Duration = Duration::from_secs(10);
 pub const PING_TIMEOUT: Duration = Duration::from_secs(20);
 /// Streams our server allows per connection (what ztunnel's server allows too).
 pub const MAX_STREAMS: u32 = 100;
+/// Largest header block either side accepts (hyper's default, which these settings replaced).
+pub const MAX_HEADER_LIST: u32 = 16 * 1024;
+/// Streams a client may open and reset before the server reads them, before the connection is
+/// closed with ENHANCE_YOUR_CALM (the "rapid reset" bound; h2's default).
+pub const MAX_PENDING_ACCEPT_RESETS: usize = 20;
+/// Streams the server may reset for protocol errors on one connection before closing it.
+pub const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+/// Bytes queued for sending per stream beyond the peer's window (hyper's server default).
+pub const MAX_SEND_BUFFER: usize = 400 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum HboneError {
@@ -46,8 +57,8 @@ pub enum HboneError {
     Shared(String),
 }
 
-impl From<hyper::Error> for HboneError {
-    fn from(e: hyper::Error) -> Self {
+impl From<h2::Error> for HboneError {
+    fn from(e: h2::Error) -> Self {
         HboneError::H2(e.to_string())
     }
 }

@@ -14,11 +14,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::Empty;
-use hyper::client::conn::http2::SendRequest;
-
-use super::client::{self, ConnectHeaders, Tunnel};
+use super::client::{self, ConnectHeaders, H2Client, Tunnel};
 use super::HboneError;
 use crate::identity::Identity;
 use crate::metrics::Metrics;
@@ -45,7 +41,7 @@ pub type LocalConnector =
 
 /// One pooled h2 connection.
 struct Conn {
-    sender: SendRequest<Empty<Bytes>>,
+    sender: H2Client,
     /// Tunnels open on it now.
     streams: AtomicUsize,
     /// When the last tunnel on it closed (or when it opened).
@@ -188,11 +184,7 @@ impl Pool {
     }
 
     /// Opens the TLS + h2 connection for `key`.
-    async fn connect(
-        &self,
-        key: &PoolKey,
-        netns: Option<&Netns>,
-    ) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
+    async fn connect(&self, key: &PoolKey, netns: Option<&Netns>) -> Result<H2Client, HboneError> {
         if let Some(pipe) =
             self.local.get().and_then(|f| f(key.dst, SocketAddr::new(key.src_ip, 0)))
         {
@@ -209,8 +201,8 @@ impl Pool {
     async fn h2(
         &self,
         key: &PoolKey,
-        f: impl std::future::Future<Output = Result<SendRequest<Empty<Bytes>>, HboneError>>,
-    ) -> Result<SendRequest<Empty<Bytes>>, HboneError> {
+        f: impl std::future::Future<Output = Result<H2Client, HboneError>>,
+    ) -> Result<H2Client, HboneError> {
         match tokio::time::timeout(self.limits.handshake_timeout, f).await {
             Ok(r) => r,
             Err(_) => Err(HboneError::H2(format!("HTTP/2 handshake with {} timed out", key.dst))),

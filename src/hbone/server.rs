@@ -5,23 +5,31 @@
 use std::net::{IpAddr, SocketAddr};
 
 use http::{Method, Request, StatusCode};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::{
-    CONNECTION_WINDOW, MAX_FRAME, MAX_STREAMS, PING_INTERVAL, PING_TIMEOUT, STREAM_WINDOW,
+    CONNECTION_WINDOW, MAX_FRAME, MAX_HEADER_LIST, MAX_LOCAL_ERROR_RESETS,
+    MAX_PENDING_ACCEPT_RESETS, MAX_SEND_BUFFER, MAX_STREAMS, STREAM_WINDOW,
 };
 
-/// The server-side h2 builder with ztunnel's settings.
-pub fn server_builder() -> hyper::server::conn::http2::Builder<TokioExecutor> {
-    let mut b = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    b.timer(TokioTimer::new())
-        .initial_stream_window_size(STREAM_WINDOW)
+/// The server-side h2 builder with ztunnel's window, frame and stream settings, and bounds on
+/// what a hostile client can make the server hold (header size, reset streams, send buffer).
+pub fn server_builder() -> h2::server::Builder {
+    let mut b = h2::server::Builder::new();
+    b.initial_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
         .max_concurrent_streams(MAX_STREAMS)
-        .keep_alive_interval(PING_INTERVAL)
-        .keep_alive_timeout(PING_TIMEOUT);
+        .max_header_list_size(MAX_HEADER_LIST)
+        .max_pending_accept_reset_streams(MAX_PENDING_ACCEPT_RESETS)
+        .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESETS))
+        .max_send_buffer_size(MAX_SEND_BUFFER);
     b
+}
+
+/// The server pings its clients as the client pings it: a peer that stops answering for
+/// `PING_TIMEOUT` is gone, and its connection is closed.
+pub async fn keepalive(ping: Option<h2::PingPong>) -> &'static str {
+    super::client::keepalive(ping).await
 }
 
 /// Why a `CONNECT` is refused, with its status code.

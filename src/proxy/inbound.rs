@@ -2,20 +2,18 @@
 //! per tunnelled connection, answered 200 only once the upstream connection is up — and
 //! plaintext passthrough (15006).
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use h2::server::SendResponse;
+use h2::RecvStream;
 use http::{Request, Response, StatusCode};
-use http_body_util::Empty;
-use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{copy_both, drain_cut, reset_on_close, ConnRecord, Copied, Ctx};
-use crate::hbone::{check_connect, server_builder, ConnectRefusal};
+use super::{drain_cut, relay, reset_on_close, ConnRecord, Copied, Ctx, Leg};
+use crate::hbone::{check_connect, server_builder, ConnectRefusal, H2Stream};
 use crate::identity::Identity;
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
 use crate::net::netns::Netns;
@@ -111,29 +109,55 @@ async fn serve_hbone_pending<S: Stream>(
             }
         };
         tracing::debug!(peer = %peer_id, "mTLS established");
-        let svc_ctx = ctx.clone();
         let peer_id = Arc::new(peer_id);
-        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let ctx = svc_ctx.clone();
-            let peer_id = peer_id.clone();
-            let netns = netns.clone();
-            async move {
-                Ok::<_, Infallible>(
-                    serve_connect(ctx, req, peer, reached, &peer_id, netns.as_deref()).await,
-                )
-            }
-        });
-        let conn = server_builder().serve_connection(TokioIo::new(tls), service);
-        tokio::pin!(conn);
-        tokio::select! {
-            r = conn.as_mut() => if let Err(e) = r {
+        let preface = server_builder().handshake::<_, Bytes>(tls);
+        let mut conn = match tokio::time::timeout(ctx.limits.handshake_timeout, preface).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
                 let kind = ctx.metrics.h2_error("server", &e);
                 tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
-            },
-            _ = ctx.drain.signaled() => {
-                // GOAWAY: no new streams; streams in flight finish.
-                conn.as_mut().graceful_shutdown();
-                let _ = conn.await;
+                return;
+            }
+            Err(_) => {
+                ctx.metrics.refuse("h2_preface_timeout");
+                tracing::info!("HBONE connection closed: no HTTP/2 preface in time");
+                return;
+            }
+        };
+        let keepalive = crate::hbone::server::keepalive(conn.ping_pong());
+        tokio::pin!(keepalive);
+        let mut draining = false;
+        loop {
+            tokio::select! {
+                next = conn.accept() => match next {
+                    Some(Ok((req, respond))) => {
+                        let ctx = ctx.clone();
+                        let peer_id = peer_id.clone();
+                        let netns = netns.clone();
+                        tokio::spawn(
+                            async move {
+                                serve_connect(ctx, req, respond, peer, reached, &peer_id, netns.as_deref()).await
+                            }
+                            .in_current_span(),
+                        );
+                    }
+                    Some(Err(e)) => {
+                        let kind = ctx.metrics.h2_error("server", &e);
+                        tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+                        break;
+                    }
+                    // Closed by the peer, or (draining) every stream has finished.
+                    None => break,
+                },
+                why = &mut keepalive => {
+                    tracing::info!(why, "HBONE connection closed: keepalive failed");
+                    break;
+                }
+                _ = ctx.drain.signaled(), if !draining => {
+                    // GOAWAY: no new streams; streams in flight finish.
+                    draining = true;
+                    conn.graceful_shutdown();
+                }
             }
         }
     }
@@ -141,30 +165,40 @@ async fn serve_hbone_pending<S: Stream>(
     .await
 }
 
-fn status(code: StatusCode) -> Response<Empty<Bytes>> {
-    let mut r = Response::new(Empty::new());
+fn status(code: StatusCode) -> Response<()> {
+    let mut r = Response::new(());
     *r.status_mut() = code;
     r
 }
 
+/// Answers one `CONNECT`: a refusal ends the stream with its status; an accepted one is answered
+/// 200 once the upstream connection is up, then copied until either side ends. A side that ends
+/// abnormally (reset, cut, revoked) is passed on as a reset: `RST_STREAM(CONNECT_ERROR)` toward
+/// the peer, RST toward the app.
 async fn serve_connect(
     ctx: Arc<Ctx>,
-    mut req: Request<Incoming>,
+    req: Request<RecvStream>,
+    mut respond: SendResponse<Bytes>,
     peer: SocketAddr,
     reached: SocketAddr,
     peer_id: &Identity,
     netns: Option<&Netns>,
-) -> Response<Empty<Bytes>> {
-    let refuse = |e: ConnectRefusal| {
+) {
+    let mut answer = |code: StatusCode| {
+        if let Err(e) = respond.send_response(status(code), true) {
+            tracing::debug!(error = %e, "CONNECT answer not sent: stream gone");
+        }
+    };
+    let refuse = |e: ConnectRefusal, answer: &mut dyn FnMut(StatusCode)| {
         ctx.metrics.refuse(e.reason());
         tracing::warn!(peer = %peer_id, error = %e, status = e.status().as_u16(), "CONNECT refused");
-        status(e.status())
+        answer(e.status())
     };
     let own_ports: &[u16] = if netns.is_some() { &crate::inpod::PROXY_PORTS } else { &[] };
     let (target, dst_wl) =
         match check_connect(&req, reached, own_ports, |ip| ctx.state.local_workload_by_ip(ip)) {
             Ok(x) => x,
-            Err(e) => return refuse(e),
+            Err(e) => return refuse(e, &mut answer),
         };
     let src_wl = ctx.state.workload_by_ip(peer.ip());
     let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
@@ -173,34 +207,24 @@ async fn serve_connect(
     // Authorization, before the app is dialled: a denial answers 401 on this stream only.
     if let Err(reason) = authorize(&ctx, &dst_wl, Some(peer_id), peer.ip(), target) {
         ConnRecord::denied(&ctx, peer, target, labels, &reason);
-        return status(StatusCode::UNAUTHORIZED);
+        return answer(StatusCode::UNAUTHORIZED);
     }
     let source = ctx.transparent.then_some(peer.ip());
-    let upstream = match dial(target, ctx.dial_opts(source, netns)).await {
+    let mut upstream = match dial(target, ctx.dial_opts(source, netns)).await {
         Ok(u) => u,
-        Err(e) => return refuse(ConnectRefusal::Upstream(target, e.to_string())),
+        Err(e) => return refuse(ConnectRefusal::Upstream(target, e.to_string()), &mut answer),
     };
     let tracked = ctx.conns.register(&dst_wl.uid, Some(peer_id), peer.ip(), target);
     let rec = ConnRecord::open(&ctx, peer, target, labels);
-    let upgrade = hyper::upgrade::on(&mut req);
-    tokio::spawn(
-        async move {
-            let mut upstream = upstream;
-            match upgrade.await {
-                Ok(up) => {
-                    let mut up = TokioIo::new(up);
-                    let c = copy_until_revoked(&mut up, &mut upstream, tracked, &ctx.drain).await;
-                    if c.result.is_err() {
-                        reset_on_close(&upstream);
-                    }
-                    rec.finish(c);
-                }
-                Err(e) => rec.close(0, 0, Err(format!("upgrade: {e}"))),
-            }
+    let send = match respond.send_response(status(StatusCode::OK), false) {
+        Ok(s) => s,
+        Err(e) => {
+            reset_on_close(&upstream);
+            return rec.close(0, 0, Err(format!("CONNECT answer: {e}")));
         }
-        .in_current_span(),
-    );
-    status(StatusCode::OK)
+    };
+    let mut tunnel = H2Stream::new(send, req.into_body());
+    rec.finish(copy_until_revoked(&mut tunnel, &mut upstream, tracked, &ctx.drain).await);
 }
 
 /// Checks a connection to local workload `dst_wl` against the authorization policies that apply
@@ -230,18 +254,14 @@ fn authorize(
     Err(reason)
 }
 
-/// Copies both ways until done, until the registry says the connection must close (its
-/// authorization was revoked), or until the drain deadline cuts it.
-async fn copy_until_revoked<A, B>(
+/// Relays both ways until done, until the registry says the connection must close (its
+/// authorization was revoked), or until the drain deadline cuts it; a cut resets both legs.
+async fn copy_until_revoked<A: Leg, B: Leg>(
     a: &mut A,
     b: &mut B,
     mut tracked: crate::proxy::Registered,
     drain: &super::Drain,
-) -> Copied
-where
-    A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
-    B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
-{
+) -> Copied {
     let revoked = async {
         let r =
             tracked.closed.wait_for(|c| c.is_some()).await.map(|r| r.clone().unwrap_or_default());
@@ -256,7 +276,7 @@ where
             r = drain_cut(drain) => r,
         }
     };
-    copy_both(a, b, stop).await
+    relay(a, b, stop).await
 }
 
 /// Inbound plaintext (15006): a connection redirected to a local workload, passed through as is.
@@ -300,12 +320,7 @@ pub async fn handle_plaintext(
         match dial(dst, ctx.dial_opts(source, netns.as_deref())).await {
             Ok(mut up) => {
                 let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
-                let c = copy_until_revoked(&mut client, &mut up, tracked, &ctx.drain).await;
-                if c.result.is_err() {
-                    reset_on_close(&client);
-                    reset_on_close(&up);
-                }
-                rec.finish(c);
+                rec.finish(copy_until_revoked(&mut client, &mut up, tracked, &ctx.drain).await);
             }
             Err(e) => {
                 reset_on_close(&client);

@@ -418,6 +418,46 @@ pub fn reset_on_close(s: &tokio::net::TcpStream) {
     let _ = socket2::SockRef::from(s).set_linger(Some(Duration::ZERO));
 }
 
+/// One side of a relayed connection, which can be ended abnormally so that its far end learns
+/// the connection was cut rather than finished: RST instead of FIN on TCP,
+/// `RST_STREAM(CONNECT_ERROR)` instead of END_STREAM on an HBONE stream.
+pub trait Leg: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin {
+    fn abort(&mut self);
+}
+
+impl Leg for tokio::net::TcpStream {
+    fn abort(&mut self) {
+        reset_on_close(self);
+    }
+}
+
+impl Leg for crate::hbone::Tunnel {
+    fn abort(&mut self) {
+        self.reset();
+    }
+}
+
+impl Leg for crate::hbone::H2Stream {
+    fn abort(&mut self) {
+        self.reset();
+    }
+}
+
+/// [`copy_both`], then, when the connection did not end cleanly on both sides (a leg failed or
+/// `stop` cut it), aborts both legs: a reset on one side arrives as a reset on the other.
+pub async fn relay<A: Leg, B: Leg>(
+    a: &mut A,
+    b: &mut B,
+    stop: impl std::future::Future<Output = String>,
+) -> Copied {
+    let c = copy_both(a, b, stop).await;
+    if c.result.is_err() {
+        a.abort();
+        b.abort();
+    }
+    c
+}
+
 /// The reason a connection must stop early: the drain deadline passed.
 pub async fn drain_cut(drain: &Drain) -> String {
     drain.cut().await;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{copy_both, drain_cut, reset_on_close, ConnRecord, Ctx};
+use super::{drain_cut, relay, reset_on_close, ConnRecord, Ctx};
 use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey};
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
@@ -80,14 +80,7 @@ pub async fn handle(
             );
             let rec = ConnRecord::open(&ctx, peer, dst, labels);
             match dial(dst, ctx.dial_opts(None, netns.as_deref())).await {
-                Ok(mut up) => {
-                    let c = copy_both(&mut client, &mut up, drain_cut(&ctx.drain)).await;
-                    if c.result.is_err() {
-                        reset_on_close(&client);
-                        reset_on_close(&up);
-                    }
-                    rec.finish(c);
-                }
+                Ok(mut up) => rec.finish(relay(&mut client, &mut up, drain_cut(&ctx.drain)).await),
                 Err(e) => {
                     reset_on_close(&client);
                     rec.close(0, 0, Err(format!("connect {dst}: {e}")))
@@ -115,12 +108,7 @@ pub async fn handle(
             Protocol::Tcp => {
                 match dial(upstream.target, ctx.dial_opts(None, netns.as_deref())).await {
                     Ok(mut up) => {
-                        let c = copy_both(&mut client, &mut up, drain_cut(&ctx.drain)).await;
-                        if c.result.is_err() {
-                            reset_on_close(&client);
-                            reset_on_close(&up);
-                        }
-                        rec.finish(c);
+                        rec.finish(relay(&mut client, &mut up, drain_cut(&ctx.drain)).await)
                     }
                     Err(e) => {
                         reset_on_close(&client);
@@ -139,11 +127,7 @@ pub async fn handle(
                 };
                 match ctx.pool.tunnel(&key, upstream.target, &headers, netns.as_deref()).await {
                     Ok(mut tunnel) => {
-                        let c = copy_both(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await;
-                        if c.result.is_err() {
-                            reset_on_close(&client);
-                        }
-                        rec.finish(c);
+                        rec.finish(relay(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await)
                     }
                     Err(HboneError::Status(http::StatusCode::UNAUTHORIZED)) => {
                         reset_on_close(&client);

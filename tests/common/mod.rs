@@ -101,9 +101,15 @@ pub async fn start_mesh(net: u8, a_expects_echo_sa: &str, key: &str) -> Mesh {
 
 /// A client connection from the client workload's address to the echo service VIP.
 pub async fn client(net: u8) -> TcpStream {
+    try_client(net).await.expect("connect to VIP")
+}
+
+/// [`client`], for tests in which the proxy refuses the connection: a refusal can be quick
+/// enough to reset it before `connect` returns.
+pub async fn try_client(net: u8) -> std::io::Result<TcpStream> {
     let s = TcpSocket::new_v4().unwrap();
     s.bind(SocketAddr::new(ip(net, 2), 0)).unwrap();
-    s.connect(SocketAddr::new(ip(net, 50), 8080)).await.expect("connect to VIP")
+    s.connect(SocketAddr::new(ip(net, 50), 8080)).await
 }
 
 pub fn pattern(n: usize, seed: u32) -> Vec<u8> {

@@ -147,6 +147,35 @@ pub fn ns_path(name: &str) -> PathBuf {
     PathBuf::from("/var/run/netns").join(name)
 }
 
+/// A lone namespace with only loopback up, for a test that needs netfilter state of its own.
+/// Dropping it deletes the namespace.
+pub struct Lone {
+    pub name: String,
+    _guard: NsGuard,
+}
+
+impl Lone {
+    pub fn new(tag: &str) -> Lone {
+        remove_stale();
+        let name =
+            format!("{PREFIX}{}{tag}{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let g = add_ns(&name);
+        Lone { name, _guard: g }
+    }
+
+    /// Runs `f` on a new thread that has entered the namespace; threads it starts (a tokio
+    /// runtime's workers) are created inside it too.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let fd = netns::open(&ns_path(&self.name)).expect("open netns");
+        std::thread::spawn(move || {
+            netns::enter_current_thread(fd.as_fd()).expect("setns");
+            f()
+        })
+        .join()
+        .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    }
+}
+
 /// A simulated cluster. Drop removes every namespace it made.
 pub struct Sim {
     pub tag: String,
