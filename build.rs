@@ -32,7 +32,7 @@ fn ebpf() {
     let src = "src/redirect/mbtunnel.bpf.c";
     println!("cargo:rerun-if-changed={src}");
     println!("cargo:rerun-if-env-changed=CLANG");
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR")).join("mbtunnel.bpf.o");
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
     let clang = std::env::var("CLANG").unwrap_or_else(|_| "clang".into());
     // <asm/types.h> lives under the multiarch include directory on Debian.
     let multiarch = Command::new("gcc")
@@ -43,17 +43,23 @@ fn ebpf() {
         .map(|s| s.trim().to_string())
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| format!("{}-linux-gnu", std::env::consts::ARCH));
-    let status = Command::new(&clang)
-        .args(["-O2", "-Wall", "-Werror", "-target", "bpf", "-c", src, "-o"])
-        .arg(&out)
-        .arg(format!("-I/usr/include/{multiarch}"))
-        .status();
-    match status {
-        Ok(s) if s.success() => {}
-        Ok(s) => panic!("{clang} failed to compile {src} ({s}); see the messages above"),
-        Err(e) => panic!(
-            "cannot run {clang} to compile the eBPF redirect program {src}: {e}. \
-             Install clang and linux-libc-dev (scripts/deps.sh does), or set CLANG=/path/to/clang"
-        ),
+    // Two objects from one source: maps pinned by name (fail-closed mode, state that outlives
+    // the process) and not pinned (everything goes away with the process).
+    for (name, pinning) in [("mbtunnel.bpf.o", "0"), ("mbtunnel-pinned.bpf.o", "1")] {
+        let status = Command::new(&clang)
+            .args(["-O2", "-Wall", "-Werror", "-target", "bpf"])
+            .arg(format!("-DMBT_PINNING={pinning}"))
+            .args(["-c", src, "-o"])
+            .arg(out_dir.join(name))
+            .arg(format!("-I/usr/include/{multiarch}"))
+            .status();
+        match status {
+            Ok(s) if s.success() => {}
+            Ok(s) => panic!("{clang} failed to compile {src} ({s}); see the messages above"),
+            Err(e) => panic!(
+                "cannot run {clang} to compile the eBPF redirect program {src}: {e}. \
+                 Install clang and linux-libc-dev (scripts/deps.sh does), or set CLANG=/path/to/clang"
+            ),
+        }
     }
 }

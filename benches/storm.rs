@@ -137,6 +137,10 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f
             let Ok((s, _)) = l.accept().await else { return };
             let (srv, sid) = (srv.clone(), sid2.clone());
             tokio::spawn(async move {
+                // As the inbound listener does: a handshake is admitted only once its ClientHello
+                // arrives. Without this, the server's admission slots can all go to connections
+                // whose client side is still waiting for one of its own, and the storm stalls.
+                let _ = s.readable().await;
                 if let Ok((mut tls, _)) = srv.accept(s, &sid).await {
                     use tokio::io::AsyncReadExt;
                     let mut b = [0u8; 1];

@@ -21,7 +21,7 @@ use crate::inpod::InPod;
 use crate::metrics::Metrics;
 use crate::net::socket;
 use crate::proxy::{self, Ctx, Drain};
-use crate::redirect::ebpf::{EbpfRedirect, Listeners, RedirectMetrics, Role};
+use crate::redirect::ebpf::{EbpfRedirect, Listeners, PinMode, RedirectMetrics, Role};
 use crate::signer::{Signer, SignerConfig};
 use crate::state::{local_resources, replace_delta, State};
 use crate::tls::TlsProvider;
@@ -184,6 +184,11 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
             Listeners { outbound: &out_l, hbone: &in_l, plaintext: &pt_l },
             cfg.hbone_port,
             redirect_metrics.clone(),
+            if cfg.ebpf_fail_closed {
+                PinMode::FailClosed(cfg.ebpf_pin_dir.clone())
+            } else {
+                PinMode::FailOpen(cfg.ebpf_pin_dir.clone())
+            },
         )?;
         for u in &cfg.ebpf_uplinks {
             e.attach(u, Role::Uplink)?;

@@ -33,6 +33,7 @@ pub mod env {
     pub const EBPF_ENABLED: &str = "MBTUNNEL_EBPF_ENABLED";
     /// Comma-separated interface names.
     pub const EBPF_UPLINKS: &str = "MBTUNNEL_EBPF_UPLINKS";
+    pub const EBPF_FAIL_CLOSED: &str = "MBTUNNEL_EBPF_FAIL_CLOSED";
     // The control plane, with ztunnel's names.
     pub const XDS_ADDRESS: &str = "XDS_ADDRESS";
     pub const CA_ADDRESS: &str = "CA_ADDRESS";
@@ -57,6 +58,8 @@ pub mod env {
 pub const BATCH_LANES: usize = 8;
 /// Where eBPF mode writes its admin token by default (`redirect::ebpf::DEFAULT_TOKEN_FILE`).
 pub const DEFAULT_EBPF_TOKEN_FILE: &str = "/var/run/mbtunnel/ebpf-admin.token";
+/// Where eBPF mode pins its maps and links (fail-closed mode).
+pub const DEFAULT_EBPF_PIN_DIR: &str = "/sys/fs/bpf/mbtunnel";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -173,6 +176,15 @@ pub struct Config {
     /// eBPF mode: where the proxy writes (mode 0600) the token that changing the redirect
     /// through the admin API requires; `mbtunnel redirect ebpf` reads it.
     pub ebpf_token_file: PathBuf,
+    /// eBPF mode: fail closed. The maps are pinned under `ebpf_pin_dir` and each classifier is
+    /// attached with a pinned link, so they outlive the process: while no proxy listens (exit,
+    /// crash, restart) an enrolled pod's new connections are dropped and counted (`no_listener`)
+    /// instead of leaving unencrypted and unchecked; the next proxy takes the pinned state over.
+    /// False: everything is detached when the proxy exits and pods talk directly until it
+    /// returns (fail open); a start in this mode also removes state a fail-closed proxy pinned.
+    pub ebpf_fail_closed: bool,
+    /// eBPF mode: the directory on a BPF filesystem (bpffs) for the pinned maps and links.
+    pub ebpf_pin_dir: PathBuf,
     /// istiod's xDS endpoint (`https://host:15012`). Set: workloads, services and policies come
     /// over delta xDS and the file must not list any.
     pub xds_address: Option<String>,
@@ -245,6 +257,8 @@ impl Default for Config {
             ebpf_enabled: false,
             ebpf_uplinks: Vec::new(),
             ebpf_token_file: PathBuf::from(DEFAULT_EBPF_TOKEN_FILE),
+            ebpf_fail_closed: true,
+            ebpf_pin_dir: PathBuf::from(DEFAULT_EBPF_PIN_DIR),
             xds_address: None,
             ca_address: None,
             xds_root_ca: "./var/run/secrets/istio/root-cert.pem".into(),
@@ -325,6 +339,9 @@ impl Config {
         }
         if let Some(v) = get(env::EBPF_ENABLED) {
             self.ebpf_enabled = flag(env::EBPF_ENABLED, v)?;
+        }
+        if let Some(v) = get(env::EBPF_FAIL_CLOSED) {
+            self.ebpf_fail_closed = flag(env::EBPF_FAIL_CLOSED, v)?;
         }
         if let Some(v) = get(env::EBPF_UPLINKS) {
             self.ebpf_uplinks =

@@ -112,6 +112,11 @@ struct RunArgs {
     /// [env: MBTUNNEL_EBPF_UPLINKS]
     #[arg(long, value_delimiter = ',')]
     ebpf_uplinks: Vec<String>,
+    /// eBPF mode: fail open — nothing is pinned, so while no proxy runs pods talk directly.
+    /// Default: fail closed (maps and links pinned under ebpf_pin_dir; enrolled pods' new
+    /// connections are dropped until a proxy listens again). [env: MBTUNNEL_EBPF_FAIL_CLOSED=false]
+    #[arg(long)]
+    ebpf_fail_open: bool,
     /// In-pod mode: pods come from istio-cni over ZDS and their listeners open inside each
     /// pod's network namespace. [env: INPOD_ENABLED]
     #[arg(long)]
@@ -488,6 +493,9 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     }
     if !a.ebpf_uplinks.is_empty() {
         cfg.ebpf_uplinks = a.ebpf_uplinks.clone();
+    }
+    if a.ebpf_fail_open {
+        cfg.ebpf_fail_closed = false;
     }
     cfg.validate()?;
     Ok(cfg)

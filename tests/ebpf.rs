@@ -45,10 +45,15 @@ fn node_cfg(node: u8, ca: &Path, mode: &str, cni: Option<&Path>) -> Config {
          metrics_addr: 127.0.0.1:0\nreadiness_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n",
         ca.display()
     );
-    if mode == "ebpf" {
+    if mode == "ebpf" || mode == "ebpf-fail-open" {
         y += "ebpf_enabled: true\nebpf_uplinks: [eth0]\noutbound_addr: \"[::]:15001\"\n\
               inbound_addr: \"[::]:15008\"\ninbound_plaintext_addr: \"[::]:15006\"\n";
         y += &format!("ebpf_token_file: {}\n", token_file(ca, node).display());
+        y += &format!(
+            "ebpf_pin_dir: {}\nebpf_fail_closed: {}\n",
+            pin_dir(ca, node).display(),
+            mode == "ebpf"
+        );
     } else {
         y += &format!(
             "inpod_enabled: true\ninpod_socket: {}\noutbound_addr: 127.0.0.1:0\n\
@@ -69,6 +74,25 @@ fn node_cfg(node: u8, ca: &Path, mode: &str, cni: Option<&Path>) -> Config {
 /// Node `node`'s admin token file (beside the shared CA directory).
 fn token_file(ca: &Path, node: u8) -> PathBuf {
     ca.with_file_name(format!("node-{node}.token"))
+}
+
+/// Node `node`'s bpffs directory for pinned maps and links, unique to the test run.
+fn pin_dir(ca: &Path, node: u8) -> PathBuf {
+    let tag = ca.parent().and_then(|d| d.file_name()).unwrap().to_string_lossy().into_owned();
+    PathBuf::from(BPFFS).join(format!("{tag}-node-{node}"))
+}
+
+const BPFFS: &str = "/sys/fs/bpf";
+
+/// Mounts the BPF filesystem at /sys/fs/bpf when nothing is mounted there (systemd usually
+/// does it; a container or a bare CI machine may not have).
+fn ensure_bpffs() {
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    if !mounts.lines().any(|l| l.split_whitespace().nth(4) == Some(BPFFS) && l.contains(" - bpf "))
+    {
+        let o = Command::new("mount").args(["-t", "bpf", "bpf", BPFFS]).output().expect("mount");
+        assert!(o.status.success(), "mount bpffs: {}", String::from_utf8_lossy(&o.stderr));
+    }
 }
 
 /// Runs the mbtunnel binary inside namespace `ns` (as a CNI plugin would on the node).
@@ -123,19 +147,30 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         self.n1.take();
         self.n2.take();
+        // Unlinking the pins frees what a fail-closed proxy left (links detach, maps go).
+        for n in [1, 2] {
+            let _ = std::fs::remove_dir_all(pin_dir(&self.dir.join("ca"), n));
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
+/// Two nodes whose proxies run in eBPF mode: `mode` "ebpf" (fail closed, the default) or
+/// "ebpf-fail-open".
 fn ebpf_cluster(tag: &str) -> Cluster {
+    ebpf_cluster_in(tag, "ebpf")
+}
+
+fn ebpf_cluster_in(tag: &str, mode: &str) -> Cluster {
+    ensure_bpffs();
     let sim = Sim::two_nodes();
     let client = sim.add_pod(1, 2);
     let echo = sim.add_pod(2, 2);
     let dir = temp_dir(&format!("ebpf-{tag}"));
     std::fs::create_dir_all(&dir).unwrap();
     let ca = dir.join("ca");
-    let n1 = Node::start(&sim, 1, node_cfg(1, &ca, "ebpf", None));
-    let n2 = Node::start(&sim, 2, node_cfg(2, &ca, "ebpf", None));
+    let n1 = Node::start(&sim, 1, node_cfg(1, &ca, mode, None));
+    let n2 = Node::start(&sim, 2, node_cfg(2, &ca, mode, None));
     assert!(n1.rt.block_on(n1.r().wait_ready(Duration::from_secs(20))), "node 1 ready");
     assert!(n2.rt.block_on(n2.r().wait_ready(Duration::from_secs(20))), "node 2 ready");
     Cluster { n1: Some(n1), n2: Some(n2), client, echo, dir, sim }
@@ -348,7 +383,8 @@ fn programs_and_maps_named_mbt() -> Vec<String> {
 fn enrol_and_remove_while_traffic_flows_then_detach_leaves_nothing() {
     require_netns!();
     let _s = serial();
-    let mut c = ebpf_cluster("enrol");
+    // Fail open: everything goes away with the proxies (checked at the end).
+    let mut c = ebpf_cluster_in("enrol", "ebpf-fail-open");
     assert!(!programs_and_maps_named_mbt().is_empty(), "the proxies loaded their programs");
     attach_pods(&c);
     let _peers = echo_in(&c.echo);
@@ -411,20 +447,99 @@ fn enrol_and_remove_while_traffic_flows_then_detach_leaves_nothing() {
     }
 }
 
+/// Fail closed (the default): while node 1's proxy is gone, the enrolled client pod's new
+/// connections are dropped — not sent directly, unencrypted — and counted; a restarted proxy
+/// takes the pinned classifiers and maps over without the pod being attached again, and
+/// attaching it again replaces the inherited classifier.
+#[test]
+fn fail_closed_while_no_proxy_listens_and_a_restarted_proxy_takes_over() {
+    require_netns!();
+    let _s = serial();
+    let mut c = ebpf_cluster("failclosed");
+    attach_pods(&c);
+    let peers = echo_in(&c.echo);
+    let dst = sa(c.echo.v4, 8080);
+    round_trip(connect_from(&c.client, dst).expect("through the proxy"), 4096);
+    wait("counted", || opened(c.n1(), "source") >= 1.0);
+    let seen_before = peers.lock().unwrap().len();
+
+    // Node 1's proxy exits: its classifiers and maps stay pinned.
+    c.n1.take();
+    let pins = pin_dir(&c.dir.join("ca"), 1);
+    let mut left: Vec<String> = std::fs::read_dir(&pins)
+        .expect("pin directory kept")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert!(left.contains(&"link-pod-vp2".to_string()), "{left:?}");
+    assert!(left.contains(&"link-uplink-eth0".to_string()), "{left:?}");
+    assert!(left.contains(&"mbt_pods".to_string()), "{left:?}");
+    let e = connect_from(&c.client, dst).expect_err("no proxy: the connection is dropped");
+    assert!(
+        matches!(e.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock),
+        "{e}"
+    );
+    assert_eq!(peers.lock().unwrap().len(), seen_before, "nothing reached the server directly");
+
+    // A new proxy with the same pin directory: no attach, no enrol, and traffic flows again.
+    let n1 = Node::start(&c.sim, 1, node_cfg(1, &c.dir.join("ca"), "ebpf", None));
+    assert!(n1.rt.block_on(n1.r().wait_ready(Duration::from_secs(20))), "node 1 ready again");
+    c.n1 = Some(n1);
+    let m = c.n1().metrics();
+    assert!(
+        metric(&m, "mbtunnel_redirect_ebpf_packets_total", &["kind=\"no_listener\""]) >= Some(1.0),
+        "the drops while no proxy listened are counted: {m}"
+    );
+    round_trip(connect_from(&c.client, dst).expect("through the new proxy"), 4096);
+    wait("the new proxy counted it", || opened(c.n1(), "source") >= 1.0);
+    let v: serde_json::Value = serde_json::from_str(&c.ctl(1, &["status"]).unwrap()).unwrap();
+    assert_eq!(v["fail_closed"], true, "{v}");
+    let ifaces = v["interfaces"].as_array().unwrap();
+    let vp2 = ifaces.iter().find(|i| i["iface"] == "vp2").expect("vp2 inherited");
+    assert_eq!(vp2["inherited"], true, "{v}");
+    // The uplink was attached again at start: this proxy's classifier replaced the old one.
+    let eth0 = ifaces.iter().find(|i| i["iface"] == "eth0").expect("eth0");
+    assert_eq!(eth0["inherited"], false, "{v}");
+    assert!(v["pods"].as_array().unwrap().iter().any(|p| p == &c.client.v4.to_string()), "{v}");
+
+    // Attaching the pod again replaces the inherited classifier; traffic still flows.
+    c.ctl(1, &["attach", "--pod-netns", ns_path(&c.client.name).to_str().unwrap()])
+        .expect("attach again");
+    let v: serde_json::Value = serde_json::from_str(&c.ctl(1, &["status"]).unwrap()).unwrap();
+    let vp2 = v["interfaces"].as_array().unwrap().iter().find(|i| i["iface"] == "vp2").cloned();
+    assert_eq!(vp2.expect("vp2")["inherited"], false, "{v}");
+    round_trip(connect_from(&c.client, dst).expect("after the replacement"), 4096);
+    wait("counted again", || opened(c.n1(), "source") >= 2.0);
+
+    // A fail-open start removes what the fail-closed proxies pinned.
+    c.n1.take();
+    let n1 = Node::start(&c.sim, 1, node_cfg(1, &c.dir.join("ca"), "ebpf-fail-open", None));
+    assert!(n1.rt.block_on(n1.r().wait_ready(Duration::from_secs(20))));
+    assert!(!pins.join("link-pod-vp2").exists(), "fail-open start unpinned the old links");
+    drop(n1);
+    let e = connect_from(&c.client, dst);
+    assert!(e.is_ok(), "fail open: with no proxy the pod talks directly again: {e:?}");
+}
+
 #[test]
 fn missing_capability_is_a_clear_error_not_a_crash() {
     require_netns!();
     let _s = serial();
+    ensure_bpffs();
     let dir = temp_dir("ebpf-nocap");
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("mbtunnel.yaml");
+    let pins = pin_dir(&dir.join("ca"), 1);
     std::fs::write(
         &cfg,
         format!(
             "node_name: node-1\nca_dir: {}\nebpf_enabled: true\noutbound_addr: 127.0.0.1:0\n\
              inbound_addr: 127.0.0.1:0\ninbound_plaintext_addr: 127.0.0.1:0\n\
-             metrics_addr: 127.0.0.1:0\nreadiness_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n",
-            dir.join("ca").display()
+             metrics_addr: 127.0.0.1:0\nreadiness_addr: 127.0.0.1:0\nadmin_addr: 127.0.0.1:0\n\
+             ebpf_pin_dir: {}\n",
+            dir.join("ca").display(),
+            pins.display()
         ),
     )
     .unwrap();
@@ -445,6 +560,7 @@ fn missing_capability_is_a_clear_error_not_a_crash() {
     for want in ["eBPF redirect unavailable", "CAP_BPF", "INPOD_ENABLED=true", "iptables"] {
         assert!(err.contains(want), "missing '{want}' in: {err}");
     }
+    let _ = std::fs::remove_dir_all(&pins);
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -10,18 +10,28 @@
 //!
 //! Enrolment is a map update: a pod removed from the map is not captured for its next
 //! connection, while connections the proxy already owns keep flowing (later segments are steered
-//! by socket lookup, not by enrolment). Everything the loader creates belongs to this process:
-//! links and maps go away when it exits or [`EbpfRedirect`] is dropped, and the policy route is
-//! removed then.
+//! by socket lookup, not by enrolment).
+//!
+//! Lifetime ([`PinMode`]): fail closed (the default), the maps are pinned by name in a bpffs
+//! directory and every classifier is attached through a pinned tcx link, so both outlive the
+//! process. When the proxy is gone its listening sockets leave the socket map, and the
+//! classifiers drop an enrolled pod's new connections (`no_listener`) instead of letting them
+//! leave unencrypted. The next proxy loads with the same pin directory: it reuses the pinned maps
+//! (enrolled pods, counters), puts its own listeners in the socket map — from then on the old
+//! classifiers hand connections to it — and replaces each inherited link when that interface is
+//! attached again. Fail open, nothing is pinned: links and maps go away when the process exits or
+//! [`EbpfRedirect`] is dropped. The policy route is removed in both modes.
 #![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 
 use aya::maps::{Array, HashMap as BpfHashMap, PerCpuArray, SockMap};
+use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::tc::{self, SchedClassifierLinkId, TcAttachType};
 use aya::programs::SchedClassifier;
 use aya::util::KernelVersion;
@@ -35,8 +45,32 @@ use serde_json::json;
 use super::RedirectError;
 use crate::net::netns::{self, Netns};
 
-/// The compiled classifiers (build.rs runs clang on `mbtunnel.bpf.c`).
+/// The compiled classifiers (build.rs runs clang on `mbtunnel.bpf.c`), with maps not pinned...
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mbtunnel.bpf.o"));
+/// ...and with maps pinned by name (fail-closed mode).
+static OBJECT_PINNED: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mbtunnel-pinned.bpf.o"));
+
+/// Names of the maps (also their pin file names).
+const MAP_NAMES: [&str; 4] = ["mbt_listeners", "mbt_pods", "mbt_config", "mbt_stats"];
+
+/// What outlives the proxy process (see the module documentation).
+#[derive(Clone, Debug)]
+pub enum PinMode {
+    /// Maps and links pinned under this bpffs directory: enrolled pods are cut off while no
+    /// proxy listens.
+    FailClosed(PathBuf),
+    /// Nothing pinned; state a fail-closed proxy left in this directory is removed at load.
+    FailOpen(PathBuf),
+}
+
+impl PinMode {
+    fn dir(&self) -> &Path {
+        match self {
+            PinMode::FailClosed(d) | PinMode::FailOpen(d) => d,
+        }
+    }
+}
 
 /// Where the admin token lives by default (root-only file; see [`write_token`]).
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/mbtunnel/ebpf-admin.token";
@@ -141,6 +175,12 @@ pub enum EbpfError {
     Map { map: &'static str, detail: String },
     #[error("policy route for redirected packets: {0}")]
     Route(#[from] RedirectError),
+    #[error(
+        "eBPF pin directory {dir}: {detail} (fail-closed mode pins maps and links on a BPF \
+         filesystem: mount one with `mount -t bpf bpf /sys/fs/bpf`, in Kubernetes a hostPath \
+         volume of /sys/fs/bpf; or set ebpf_fail_closed: false to fail open)"
+    )]
+    Pin { dir: PathBuf, detail: String },
 }
 
 /// An error and its causes on one line (aya's errors keep the OS error in `source`).
@@ -227,9 +267,18 @@ impl RedirectMetrics {
     }
 }
 
+/// How a classifier is attached to an interface.
+enum Attached {
+    /// By this process, detached when it exits (fail open, or a kernel without tcx links).
+    Owned(SchedClassifierLinkId),
+    /// Through the link pinned at this path; `inherited`: a previous proxy pinned it (its
+    /// program runs until the interface is attached again, which replaces it).
+    Pinned { path: PathBuf, inherited: bool },
+}
+
 struct Inner {
     bpf: aya::Ebpf,
-    links: BTreeMap<String, (Role, SchedClassifierLinkId)>,
+    links: BTreeMap<String, (Role, Attached)>,
     pods: BTreeSet<IpAddr>,
     /// Per-CPU counter totals already added to the metrics.
     seen: [u64; STAT_NAMES.len()],
@@ -239,6 +288,7 @@ struct Inner {
 /// the policy route.
 pub struct EbpfRedirect {
     inner: Mutex<Inner>,
+    pin: PinMode,
     /// The namespace the proxy (and its policy route) lives in.
     netns: Netns,
     v6: bool,
@@ -260,9 +310,22 @@ impl EbpfRedirect {
         listeners: Listeners<'_>,
         hbone_port: u16,
         metrics: RedirectMetrics,
+        pin: PinMode,
     ) -> Result<EbpfRedirect, EbpfError> {
-        let mut bpf = aya::Ebpf::load(OBJECT)
-            .map_err(|e| unavailable("loading the eBPF object (maps)", &e))?;
+        let mut bpf = match &pin {
+            PinMode::FailClosed(dir) => {
+                prepare_pin_dir(dir)?;
+                aya::EbpfLoader::new()
+                    .map_pin_path(dir)
+                    .load(OBJECT_PINNED)
+                    .map_err(|e| unavailable("loading the eBPF object (pinned maps)", &e))?
+            }
+            PinMode::FailOpen(dir) => {
+                remove_pinned(dir);
+                aya::Ebpf::load(OBJECT)
+                    .map_err(|e| unavailable("loading the eBPF object (maps)", &e))?
+            }
+        };
         for role in [Role::Pod, Role::Uplink] {
             let prog: &mut SchedClassifier = bpf
                 .program_mut(role.program())
@@ -310,22 +373,39 @@ impl EbpfRedirect {
             detail: e.to_string(),
         })?;
         let v6 = super::ipv6_available();
-        let r = EbpfRedirect {
-            inner: Mutex::new(Inner {
-                bpf,
-                links: BTreeMap::new(),
-                pods: BTreeSet::new(),
-                seen: [0; STAT_NAMES.len()],
-            }),
-            netns,
-            v6,
-            metrics,
+        let mut inner = Inner {
+            bpf,
+            links: BTreeMap::new(),
+            pods: BTreeSet::new(),
+            seen: [0; STAT_NAMES.len()],
         };
+        if let PinMode::FailClosed(dir) = &pin {
+            // What a previous proxy left: its links stay until their interfaces are attached
+            // again, its enrolled pods stay enrolled.
+            for (iface, role, path) in pinned_links(dir) {
+                tracing::info!(
+                    iface,
+                    role = role.name(),
+                    "eBPF classifier inherited from a previous proxy"
+                );
+                inner.links.insert(iface, (role, Attached::Pinned { path, inherited: true }));
+            }
+            let keys: Vec<[u8; 16]> =
+                Self::pods_map(&mut inner)?.keys().filter_map(Result::ok).collect();
+            for k in keys {
+                let a = std::net::Ipv6Addr::from(k);
+                inner.pods.insert(a.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(a)));
+            }
+        }
+        metrics.enrolled.set(inner.pods.len() as i64);
+        metrics.interfaces.set(inner.links.len() as i64);
+        let r = EbpfRedirect { inner: Mutex::new(inner), pin, netns, v6, metrics };
         r.routes(true)?;
         tracing::info!(
             mark = format!("{MARK:#x}"),
             table = ROUTE_TABLE,
             hbone_port,
+            pin = ?r.pin,
             "eBPF redirect loaded: classifiers ready to attach, policy route installed"
         );
         Ok(r)
@@ -357,15 +437,19 @@ impl EbpfRedirect {
     }
 
     /// Attaches the classifier for `role` to `iface` (tc ingress). Attaching an interface again
-    /// with the same role does nothing.
+    /// with the same role does nothing, except to an interface whose link a previous proxy left
+    /// (fail closed): this proxy's classifier replaces it.
     pub fn attach(&self, iface: &str, role: Role) -> Result<(), EbpfError> {
         let mut inner = self.inner.lock().unwrap();
-        if let Some((r, _)) = inner.links.get(iface) {
-            return if *r == role {
-                Ok(())
-            } else {
-                Err(EbpfError::AttachedAs { iface: iface.into(), role: *r })
-            };
+        let mut replaces = None;
+        if let Some((r, a)) = inner.links.get(iface) {
+            if *r != role {
+                return Err(EbpfError::AttachedAs { iface: iface.into(), role: *r });
+            }
+            match a {
+                Attached::Pinned { path, inherited: true } => replaces = Some(path.clone()),
+                _ => return Ok(()),
+            }
         }
         let attach_err = |detail: String| EbpfError::Attach { iface: iface.into(), detail };
         let prog: &mut SchedClassifier = inner
@@ -379,26 +463,61 @@ impl EbpfRedirect {
             let _ = tc::qdisc_add_clsact(iface);
         }
         let id = prog.attach(iface, TcAttachType::Ingress).map_err(|e| attach_err(chain(&e)))?;
-        inner.links.insert(iface.into(), (role, id));
+        let attached = match &self.pin {
+            PinMode::FailOpen(_) => Attached::Owned(id),
+            PinMode::FailClosed(dir) => {
+                let link = prog.take_link(id).map_err(|e| attach_err(chain(&e)))?;
+                match FdLink::try_from(link) {
+                    Ok(fd) => {
+                        let path = link_path(dir, role, iface);
+                        // The predecessor's link goes only once ours is attached: the interface
+                        // is never without a classifier.
+                        if let Some(old) = &replaces {
+                            unpin_link(old);
+                        }
+                        let _ = std::fs::remove_file(&path);
+                        fd.pin(&path).map_err(|e| attach_err(format!("pinning its link: {e}")))?;
+                        Attached::Pinned { path, inherited: false }
+                    }
+                    Err(e) => {
+                        // Netlink attachments (kernels without tcx) cannot be pinned.
+                        tracing::warn!(iface, error = %chain(&e),
+                            "this kernel has no tcx links (Linux < 6.6): the classifier cannot \
+                             outlive the proxy, so this interface fails open when it exits");
+                        return Err(attach_err(
+                            "fail-closed mode needs tcx links (Linux >= 6.6); \
+                            set ebpf_fail_closed: false on this kernel"
+                                .into(),
+                        ));
+                    }
+                }
+            }
+        };
+        inner.links.insert(iface.into(), (role, attached));
         self.metrics.interfaces.set(inner.links.len() as i64);
-        tracing::info!(iface, role = ?role, "eBPF classifier attached");
+        tracing::info!(iface, role = ?role, replaced_inherited = replaces.is_some(), "eBPF classifier attached");
         Ok(())
     }
 
-    /// Detaches the classifier from `iface`.
+    /// Detaches the classifier from `iface` (this proxy's, or one a previous proxy pinned).
     pub fn detach(&self, iface: &str) -> Result<(), EbpfError> {
         let mut inner = self.inner.lock().unwrap();
-        let (role, id) =
+        let (role, attached) =
             inner.links.remove(iface).ok_or_else(|| EbpfError::NotAttached(iface.into()))?;
         self.metrics.interfaces.set(inner.links.len() as i64);
-        let prog: &mut SchedClassifier = inner
-            .bpf
-            .program_mut(role.program())
-            .ok_or_else(|| EbpfError::NotAttached(iface.into()))?
-            .try_into()
-            .map_err(|e| EbpfError::Attach { iface: iface.into(), detail: chain(&e) })?;
-        prog.detach(id)
-            .map_err(|e| EbpfError::Attach { iface: iface.into(), detail: chain(&e) })?;
+        match attached {
+            Attached::Pinned { path, .. } => unpin_link(&path),
+            Attached::Owned(id) => {
+                let prog: &mut SchedClassifier = inner
+                    .bpf
+                    .program_mut(role.program())
+                    .ok_or_else(|| EbpfError::NotAttached(iface.into()))?
+                    .try_into()
+                    .map_err(|e| EbpfError::Attach { iface: iface.into(), detail: chain(&e) })?;
+                prog.detach(id)
+                    .map_err(|e| EbpfError::Attach { iface: iface.into(), detail: chain(&e) })?;
+            }
+        }
         tracing::info!(iface, role = ?role, "eBPF classifier detached");
         Ok(())
     }
@@ -472,7 +591,14 @@ impl EbpfRedirect {
         let stats = Self::stats(&mut inner).ok();
         json!({
             "mode": "ebpf",
-            "interfaces": inner.links.iter().map(|(i, (r, _))| json!({"iface": i, "role": r})).collect::<Vec<_>>(),
+            "interfaces": inner.links.iter().map(|(i, (r, a))| json!({
+                "iface": i,
+                "role": r,
+                "pinned": matches!(a, Attached::Pinned { .. }),
+                "inherited": matches!(a, Attached::Pinned { inherited: true, .. }),
+            })).collect::<Vec<_>>(),
+            "fail_closed": matches!(self.pin, PinMode::FailClosed(_)),
+            "pin_dir": self.pin.dir().display().to_string(),
             "pods": inner.pods.iter().map(|p| p.to_string()).collect::<Vec<_>>(),
             "mark": format!("{MARK:#x}"),
             "route_table": ROUTE_TABLE,
@@ -481,9 +607,96 @@ impl EbpfRedirect {
     }
 }
 
+/// The pin file of the link attaching `role` to `iface`.
+fn link_path(dir: &Path, role: Role, iface: &str) -> PathBuf {
+    dir.join(format!("link-{}-{iface}", role.name()))
+}
+
+/// Links pinned in `dir` by a previous proxy: (interface, role, path).
+fn pinned_links(dir: &Path) -> Vec<(String, Role, PathBuf)> {
+    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
+    let mut v = Vec::new();
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("link-") else { continue };
+        let Some((role, iface)) = rest.split_once('-') else { continue };
+        if let Ok(role) = role.parse::<Role>() {
+            v.push((iface.to_string(), role, e.path()));
+        }
+    }
+    v.sort();
+    v
+}
+
+/// Removes a pinned link: the classifier it attached is detached.
+fn unpin_link(path: &Path) {
+    match PinnedLink::from_pin(path).map(PinnedLink::unpin) {
+        Ok(Ok(fd)) => drop(fd),
+        Ok(Err(e)) => tracing::warn!(path = %path.display(), error = %e, "cannot unpin eBPF link"),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %chain(&e), "cannot open pinned eBPF link");
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Creates `dir` and checks it is on a BPF filesystem.
+fn prepare_pin_dir(dir: &Path) -> Result<(), EbpfError> {
+    let err = |detail: String| EbpfError::Pin { dir: dir.to_path_buf(), detail };
+    std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+    let real = dir.canonicalize().map_err(|e| err(e.to_string()))?;
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").map_err(|e| err(e.to_string()))?;
+    match fs_type_of(&mounts, &real) {
+        Some(t) if t == "bpf" => Ok(()),
+        Some(t) => Err(err(format!("not on a BPF filesystem (it is on {t})"))),
+        None => Err(err("no mount found for it".into())),
+    }
+}
+
+/// The filesystem type of the mount holding `path`, from `/proc/self/mountinfo` text: the
+/// longest mount point that is a prefix of it.
+fn fs_type_of(mountinfo: &str, path: &Path) -> Option<String> {
+    let mut best: Option<(usize, String)> = None;
+    for line in mountinfo.lines() {
+        // id parent major:minor root mount-point options [optional...] - fstype source super
+        let mut f = line.split_whitespace();
+        let point = f.nth(4)?;
+        let fstype = line.split(" - ").nth(1)?.split_whitespace().next()?;
+        let point = Path::new(point);
+        if path.starts_with(point) {
+            let depth = point.components().count();
+            if best.as_ref().is_none_or(|(d, _)| depth >= *d) {
+                best = Some((depth, fstype.to_string()));
+            }
+        }
+    }
+    best.map(|(_, t)| t)
+}
+
+/// Fail-open start: removes the links and maps a fail-closed proxy pinned in `dir`, so that
+/// nothing of it keeps dropping pods' connections.
+fn remove_pinned(dir: &Path) {
+    let links = pinned_links(dir);
+    for (iface, _, path) in &links {
+        tracing::info!(iface, "removing an eBPF classifier a fail-closed proxy pinned");
+        unpin_link(path);
+    }
+    for m in MAP_NAMES {
+        let _ = std::fs::remove_file(dir.join(m));
+    }
+    if !links.is_empty() {
+        let _ = std::fs::remove_dir(dir);
+    }
+}
+
 impl Drop for EbpfRedirect {
     fn drop(&mut self) {
-        // Links and maps close with `inner`; the route is ours to remove.
+        if let PinMode::FailClosed(dir) = &self.pin {
+            tracing::info!(pin_dir = %dir.display(),
+                "eBPF redirect fails closed: classifiers and maps stay pinned; enrolled pods' \
+                 new connections are dropped until a proxy listens again");
+        }
+        // Unpinned links and maps close with `inner`; the route is ours to remove.
         if let Err(e) = self.routes(false) {
             tracing::warn!(error = %e, "could not remove the eBPF redirect policy route");
         }
@@ -493,6 +706,18 @@ impl Drop for EbpfRedirect {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pin_dir_filesystem_is_the_innermost_mount() {
+        let info = "22 1 0:21 / / rw - ext4 /dev/vda1 rw\n\
+                    30 22 0:26 / /sys rw,nosuid - sysfs sysfs rw\n\
+                    41 30 0:35 / /sys/fs/bpf rw - bpf bpf rw,mode=700\n";
+        assert_eq!(fs_type_of(info, Path::new("/sys/fs/bpf/mbtunnel")).as_deref(), Some("bpf"));
+        assert_eq!(fs_type_of(info, Path::new("/sys/fs/bpfx")).as_deref(), Some("sysfs"));
+        assert_eq!(fs_type_of(info, Path::new("/tmp/x")).as_deref(), Some("ext4"));
+        let link = link_path(Path::new("/p"), Role::Uplink, "eth0");
+        assert_eq!(link, Path::new("/p/link-uplink-eth0"));
+    }
 
     #[test]
     fn pod_keys_map_ipv4_into_ipv6() {

@@ -38,14 +38,22 @@ static struct bpf_sock *(*bpf_skc_lookup_tcp)(void *ctx, struct bpf_sock_tuple *
 static long (*bpf_sk_release)(void *sk) = (void *)BPF_FUNC_sk_release;
 static long (*bpf_sk_assign)(void *ctx, void *sk, __u64 flags) = (void *)BPF_FUNC_sk_assign;
 
-// Legacy map definitions (the "maps" section), read by aya.
+// Legacy map definitions (the "maps" section), read by aya. `pinning` 1 pins a map by name
+// under the loader's pin directory and reuses the one already pinned there (fail-closed mode:
+// the maps, and the classifiers attached with pinned links, outlive the proxy process).
 struct map_def {
 	__u32 type;
 	__u32 key_size;
 	__u32 value_size;
 	__u32 max_entries;
 	__u32 map_flags;
+	__u32 id;
+	__u32 pinning;
 };
+
+#ifndef MBT_PINNING
+#define MBT_PINNING 0
+#endif
 
 // Must match src/redirect/ebpf.rs.
 #define LISTENER_OUTBOUND 0
@@ -70,13 +78,13 @@ struct map_def {
 #define HIDDEN_TCP -2 // TCP we cannot read: IPv6 extension headers, a truncated first fragment
 
 // The proxy's listening sockets, by LISTENER_*.
-SEC("maps") struct map_def mbt_listeners = {BPF_MAP_TYPE_SOCKMAP, 4, 4, 3, 0};
+SEC("maps") struct map_def mbt_listeners = {BPF_MAP_TYPE_SOCKMAP, 4, 4, 3, 0, 0, MBT_PINNING};
 // Enrolled pod addresses: IPv6, or IPv4 as ::ffff:a.b.c.d. Value unused (1).
-SEC("maps") struct map_def mbt_pods = {BPF_MAP_TYPE_HASH, 16, 4, 65536, 0};
+SEC("maps") struct map_def mbt_pods = {BPF_MAP_TYPE_HASH, 16, 4, 65536, 0, 0, MBT_PINNING};
 // CONFIG_*: the routing mark and the HBONE port (host order).
-SEC("maps") struct map_def mbt_config = {BPF_MAP_TYPE_ARRAY, 4, 4, 2, 0};
+SEC("maps") struct map_def mbt_config = {BPF_MAP_TYPE_ARRAY, 4, 4, 2, 0, 0, MBT_PINNING};
 // Per-CPU counters by STAT_*.
-SEC("maps") struct map_def mbt_stats = {BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, STATS, 0};
+SEC("maps") struct map_def mbt_stats = {BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, STATS, 0, 0, MBT_PINNING};
 
 struct packet {
 	struct bpf_sock_tuple tuple;
