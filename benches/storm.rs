@@ -62,12 +62,21 @@ fn provider(
     key: KeyAlgorithm,
     limits: &mbtunnel::net::Limits,
 ) -> Arc<TlsProvider> {
+    provider_and_signer(dir, key, limits).0
+}
+
+fn provider_and_signer(
+    dir: &std::path::Path,
+    key: KeyAlgorithm,
+    limits: &mbtunnel::net::Limits,
+) -> (Arc<TlsProvider>, Signer) {
     let ca = DevCa::load_or_create(dir, "cluster.local").unwrap();
     let store = Arc::new(CertStore::new(ca, key, Duration::from_secs(3600)));
     let signer = Signer::start(SignerConfig::default());
     let mut reg = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(&mut reg));
-    Arc::new(TlsProvider::new(store, signer, "cluster.local".into(), metrics).with_limits(limits))
+    let p = TlsProvider::new(store, signer.clone(), "cluster.local".into(), metrics);
+    (Arc::new(p.with_limits(limits)), signer)
 }
 
 /// 1. Per-identity context cost, ours against contexts that load the system trust store.
@@ -128,8 +137,8 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f
         handshake_timeout: Duration::from_secs(600),
         ..Default::default()
     };
-    let server = provider(dir, KeyAlgorithm::Rsa2048, &limits);
-    let client = provider(dir, KeyAlgorithm::EcdsaP256, &limits);
+    let (server, server_signer) = provider_and_signer(dir, KeyAlgorithm::Rsa2048, &limits);
+    let (client, client_signer) = provider_and_signer(dir, KeyAlgorithm::EcdsaP256, &limits);
     let (sid, cid) = (id(100_000), id(100_001));
     server.prepare(&sid).await.unwrap();
     client.prepare(&cid).await.unwrap();
@@ -145,7 +154,9 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f
                 // As the inbound listener does: a handshake is admitted only once its ClientHello
                 // arrives. Without this, the server's admission slots can all go to connections
                 // whose client side is still waiting for one of its own, and the storm stalls.
-                let _ = s.readable().await;
+                if !matches!(mbtunnel::net::socket::first_bytes(&s).await, Ok(true)) {
+                    return;
+                }
                 if let Ok((mut tls, _)) = srv.accept(s, &sid).await {
                     use tokio::io::AsyncReadExt;
                     let mut b = [0u8; 1];
@@ -168,7 +179,21 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f
     let mut done = Vec::with_capacity(n);
     let mut failed = 0;
     for t in tasks {
-        let (ok, secs) = t.await.unwrap();
+        let (ok, secs) = match tokio::time::timeout(Duration::from_secs(120), t).await {
+            Ok(r) => r.unwrap(),
+            Err(_) => {
+                // Stalled: say where, so the stall can be diagnosed, then give up on this storm.
+                println!(
+                    "  stalled after {} of {n} handshakes ({failed} failed); server signer: {}; \
+                     client signer: {}",
+                    done.len(),
+                    server_signer.dump(),
+                    client_signer.dump()
+                );
+                acceptor.abort();
+                return (f64::NAN, f64::NAN);
+            }
+        };
         if !ok {
             failed += 1;
         }

@@ -76,6 +76,17 @@ pub fn canonical(a: SocketAddr) -> SocketAddr {
     SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
+/// Waits until `s` has bytes to read (true) or the peer ended it (false). Unlike
+/// `TcpStream::readable`, which may wake without data, this looks at the data (`MSG_PEEK`,
+/// nothing consumed): a handshake admitted on it has a ClientHello to work on. Admitting a
+/// connection on a spurious wake-up can deadlock bounded handshakes: server slots held by
+/// connections whose clients are still queued for a client slot, while the clients holding
+/// the client slots queue for a server slot.
+pub async fn first_bytes(s: &TcpStream) -> std::io::Result<bool> {
+    let mut b = [0u8; 1];
+    Ok(s.peek(&mut b).await? > 0)
+}
+
 /// Where a captured connection was going: the NAT original destination, else (TPROXY, eBPF
 /// socket assignment, or a direct connection) the accepted socket's local address.
 pub fn destination(s: &TcpStream) -> Option<SocketAddr> {

@@ -36,13 +36,14 @@ pub async fn handle_hbone(
     // Until its handshake is done the connection holds a pending slot; a flood of silent
     // connections evicts its own oldest members, not the listener.
     let pending = ctx.pending.enter();
-    let first_bytes = async {
-        // The handshake is admitted (and may wait for a turn) only once the ClientHello is
-        // arriving: a silent connection never takes a turn from one that talks.
-        let _ = tcp.readable().await;
-    };
+    // The handshake is admitted (and may wait for a turn) only once the ClientHello is
+    // arriving: a silent connection never takes a turn from one that talks.
     tokio::select! {
-        _ = first_bytes => {}
+        r = crate::net::socket::first_bytes(&tcp) => if !matches!(r, Ok(true)) {
+            ctx.metrics.refuse("tls_peer_closed");
+            tracing::debug!(src = %peer, "HBONE connection closed before its ClientHello");
+            return;
+        },
         // Counted as tls_pending_evicted when it happened.
         _ = pending.evicted() => {
             tracing::debug!(src = %peer, "HBONE connection dropped before its ClientHello: evicted");
