@@ -104,7 +104,7 @@ impl U64x8 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
     pub fn madd52lo(self, b: Self, c: Self) -> Self {
-        #[cfg(test)]
+        #[cfg(feature = "ifma-count")]
         ifma_count::bump();
         Self(_mm512_madd52lo_epu64(self.0, b.0, c.0))
     }
@@ -113,7 +113,7 @@ impl U64x8 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
     pub fn madd52hi(self, b: Self, c: Self) -> Self {
-        #[cfg(test)]
+        #[cfg(feature = "ifma-count")]
         ifma_count::bump();
         Self(_mm512_madd52hi_epu64(self.0, b.0, c.0))
     }
@@ -140,10 +140,12 @@ impl U64x8 {
     }
 }
 
-/// Test builds only: counts every `madd52lo` / `madd52hi` executed on this thread, so tests can
-/// check the exact IFMA count per batch that `mbtunnel speed` divides by (the kernels run a
-/// fixed instruction sequence per key size, so the count is a constant).
-#[cfg(test)]
+/// With the `ifma-count` feature only (never in a product or timing build: a thread-local
+/// increment per IFMA would distort every timing): counts every `madd52lo` / `madd52hi` executed
+/// on this thread, so tests can check the exact IFMA count per batch that `mbtunnel speed`
+/// divides by (the kernels run a fixed instruction sequence per key size, so the count is a
+/// constant). `cargo test --release --lib --features ifma-count ifma_count` (run by `make test`).
+#[cfg(feature = "ifma-count")]
 pub(crate) mod ifma_count {
     use std::cell::Cell;
 

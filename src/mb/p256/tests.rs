@@ -772,6 +772,7 @@ fn dudect_kernel() {
     );
 }
 
+#[cfg(feature = "ifma-count")]
 #[test]
 fn ifma_count_per_batch_is_exact() {
     let Some(cap) = crate::mb::require_ifma("IFMA count per P-256 batch") else { return };

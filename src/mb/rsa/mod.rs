@@ -302,8 +302,9 @@ pub(crate) fn ifma_k0(m0: u64) -> u64 {
 /// IFMA instructions (`vpmadd52luq` + `vpmadd52huq`, eight lanes each) one IFMA batch of
 /// `bits`-bit keys executes: both CRT exponentiations, the conversions in and out of the
 /// Montgomery domain, Garner's recombination and the batched fault check. The kernels run one
-/// fixed instruction sequence per size, so this is a constant; it is counted exactly in test
-/// builds (`simd::ifma_count`) and checked by `ifma_count_per_batch_is_exact` below.
+/// fixed instruction sequence per size, so this is a constant; it is counted exactly with the
+/// `ifma-count` feature (`simd::ifma_count`) and checked by `ifma_count_per_batch_is_exact`
+/// below (`make test` runs it).
 /// `mbtunnel speed` divides it by the measured IFMA rate to give the share of the peak.
 pub fn ifma_per_batch(bits: usize) -> Option<u64> {
     match bits {
@@ -608,7 +609,7 @@ fn ifma_batch(
     keys.iter().map(|_| Err(MbError::Unsupported("IFMA needs x86_64".into()))).collect()
 }
 
-#[cfg(all(test, target_arch = "x86_64"))]
+#[cfg(all(test, target_arch = "x86_64", feature = "ifma-count"))]
 mod count_tests {
     use super::*;
 
