@@ -90,6 +90,18 @@ pub struct CompareRow {
     /// Set when something failed: a check mismatch or a crypto_mb error (then no crypto_mb
     /// figure is given).
     pub error: Option<String>,
+    /// Every round's figure per contender (sig/s), in round order: the spread behind the medians.
+    pub rounds: RoundFigures,
+}
+
+/// Per-round figures of one row.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct RoundFigures {
+    pub ours: Vec<f64>,
+    pub ours_equal_work: Vec<f64>,
+    pub crypto_mb: Vec<f64>,
+    pub boringssl: Vec<f64>,
+    pub openssl: Vec<f64>,
 }
 
 /// The whole comparison.
@@ -327,6 +339,14 @@ pub fn run_compare(opts: &CompareOptions) -> CompareReport {
         row.ifma_per_batch = row.ours_equal_work_ops_per_s.and(c.ifma_per_batch);
         row.ifma_share_of_peak =
             share_of_peak(row.ifma_per_batch, row.ours_equal_work_ops_per_s, peak);
+        let r = |v: &[f64]| v.iter().map(|x| x.round()).collect::<Vec<f64>>();
+        row.rounds = RoundFigures {
+            ours: r(&s.ours),
+            ours_equal_work: r(&s.ours_eq),
+            crypto_mb: r(&s.cmb),
+            boringssl: r(&s.boring),
+            openssl: r(&s.openssl),
+        };
     }
     drop(contenders);
     CompareReport {
@@ -359,6 +379,7 @@ fn empty_row(algorithm: String) -> CompareRow {
         ifma_share_of_peak: None,
         check: None,
         error: None,
+        rounds: RoundFigures::default(),
     }
 }
 
