@@ -18,6 +18,7 @@ test: deps
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --locked --all-targets -- -D warnings
 	$(CARGO) test --release --locked --all-targets
+	$(CARGO) test --release --locked --lib --features ifma-count -- ifma_count
 	$(CARGO) build --release --locked
 	./scripts/demo.sh
 	./scripts/validate-deploy.sh

@@ -342,7 +342,7 @@ async fn run_async(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
     });
     let _ = std::fs::remove_dir_all(&dir);
     Ok(BenchReport {
-        cpu: crate::mb::cpu_model(),
+        cpu: crate::mb::cpu_description(),
         cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         seconds_per_point: opts.duration.as_secs_f64(),
         repeat: opts.repeat.max(1),

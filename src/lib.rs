@@ -6,6 +6,7 @@ pub mod app;
 pub mod authz;
 pub mod bench;
 pub mod config;
+pub mod cryptomb;
 pub mod devtools;
 pub mod grpc;
 pub mod hbone;

@@ -23,6 +23,13 @@ struct Cli {
     cmd: Cmd,
 }
 
+/// Implementations `mbtunnel speed --compare` can measure beside ours.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum CompareWith {
+    /// Intel's crypto_mb (libcrypto_mb.so), and OpenSSL's `openssl speed` when present.
+    CryptoMb,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run a node proxy.
@@ -31,11 +38,31 @@ enum Cmd {
     Version,
     /// Show CPU features, the signer backend that would be chosen, and why.
     Doctor,
-    /// Signatures per second: the IFMA multi-buffer backend against BoringSSL single-op, same run.
+    /// Signatures per second: the IFMA multi-buffer backend against BoringSSL single-op, same run,
+    /// one pinned core, interleaved rounds, medians; with the CPU named, its measured IFMA rate and
+    /// each kernel's share of it. `--compare crypto-mb` adds Intel's crypto_mb (loaded at run time
+    /// from MBTUNNEL_CRYPTO_MB_LIB, the pip prefixes or the loader's path; skipped with install
+    /// instructions when absent) and `openssl speed` when an `openssl` binary is on PATH.
     Speed {
-        /// Seconds of measurement per algorithm and backend.
+        /// Seconds of measurement per algorithm and contender (split over the rounds).
         #[arg(long, default_value_t = 2.0)]
         seconds: f64,
+        /// Interleaved rounds; every figure is the median over them (at least 3 with --compare).
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+        /// CPU to pin the measuring thread to (default: the last one this process may use).
+        #[arg(long)]
+        cpu: Option<usize>,
+        /// Compare with other implementations: `crypto-mb` (Intel's multi-buffer library, plus
+        /// OpenSSL's `openssl speed` when the binary exists).
+        #[arg(long, value_enum)]
+        compare: Option<CompareWith>,
+        /// Path of libcrypto_mb.so (or its folder); overrides MBTUNNEL_CRYPTO_MB_LIB.
+        #[arg(long)]
+        crypto_mb_lib: Option<PathBuf>,
+        /// With --compare: leave out the OpenSSL column.
+        #[arg(long)]
+        no_openssl: bool,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -538,9 +565,41 @@ fn main() -> anyhow::Result<()> {
             print!("{}", mbtunnel::speed::doctor());
             Ok(())
         }
-        Cmd::Speed { seconds, json } => {
-            let r =
-                mbtunnel::speed::run_speed(&mbtunnel::speed::SpeedOptions::with_seconds(seconds));
+        Cmd::Speed {
+            seconds,
+            rounds,
+            cpu,
+            compare: Some(CompareWith::CryptoMb),
+            crypto_mb_lib,
+            no_openssl,
+            json,
+        } => {
+            let opts = mbtunnel::speed::compare::CompareOptions {
+                duration: std::time::Duration::from_secs_f64(seconds.max(0.05)),
+                rounds,
+                cpu,
+                crypto_mb_lib,
+                openssl: !no_openssl,
+                ..Default::default()
+            };
+            let r = mbtunnel::speed::compare::run_compare(&opts);
+            if json {
+                println!("{}", r.to_json());
+            } else {
+                print!("{r}");
+            }
+            if r.has_errors() {
+                anyhow::bail!("the comparison found errors (see the rows marked ERROR)");
+            }
+            Ok(())
+        }
+        Cmd::Speed { seconds, rounds, cpu, compare: None, json, .. } => {
+            let opts = mbtunnel::speed::SpeedOptions {
+                rounds,
+                cpu,
+                ..mbtunnel::speed::SpeedOptions::with_seconds(seconds)
+            };
+            let r = mbtunnel::speed::run_speed(&opts);
             if json {
                 println!("{}", r.to_json());
             } else {

@@ -12,6 +12,8 @@ use std::sync::OnceLock;
 
 pub mod cpu;
 pub mod p256;
+#[cfg(target_arch = "x86_64")]
+pub mod peak;
 pub mod rsa;
 pub use cpu::{require_ifma, Ifma};
 #[doc(hidden)]
@@ -112,6 +114,38 @@ pub fn cpu_model() -> String {
                 .map(|(_, v)| v.trim().to_string())
         })
         .unwrap_or_else(|| "unknown CPU".into())
+}
+
+/// The CPU's family and model numbers (`/proc/cpuinfo`, decimal), e.g. `(26, 2)` for a Zen 5
+/// EPYC: the model name alone ("AMD EPYC") does not tell the generations apart under KVM.
+pub fn cpu_family_model() -> Option<(u32, u32)> {
+    let s = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let field = |name: &str| -> Option<u32> {
+        s.lines()
+            .find(|l| l.split(':').next().map(str::trim) == Some(name))
+            .and_then(|l| l.split_once(':'))
+            .and_then(|(_, v)| v.trim().parse().ok())
+    };
+    Some((field("cpu family")?, field("model")?))
+}
+
+/// The CPU named as every figure should name it: model name plus family/model numbers.
+pub fn cpu_description() -> String {
+    match cpu_family_model() {
+        Some((f, m)) => format!("{} (family {f} model {m})", cpu_model()),
+        None => cpu_model(),
+    }
+}
+
+/// Measured IFMA instructions per second on the calling thread's core ([`peak`]), or `None`
+/// when the CPU lacks AVX-512 IFMA.
+pub fn ifma_peak_per_s(duration: std::time::Duration) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(cap) = Ifma::detect() {
+        return Some(peak::ifma_peak_per_s(cap, duration));
+    }
+    let _ = duration;
+    None
 }
 
 /// The backend chosen at start-up and why.

@@ -104,6 +104,8 @@ impl U64x8 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
     pub fn madd52lo(self, b: Self, c: Self) -> Self {
+        #[cfg(feature = "ifma-count")]
+        ifma_count::bump();
         Self(_mm512_madd52lo_epu64(self.0, b.0, c.0))
     }
 
@@ -111,6 +113,8 @@ impl U64x8 {
     #[inline]
     #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
     pub fn madd52hi(self, b: Self, c: Self) -> Self {
+        #[cfg(feature = "ifma-count")]
+        ifma_count::bump();
         Self(_mm512_madd52hi_epu64(self.0, b.0, c.0))
     }
 
@@ -133,6 +137,30 @@ impl U64x8 {
     #[target_feature(enable = "avx512f,avx512ifma,avx512vl")]
     pub fn select(self, m: Mask8, b: Self) -> Self {
         Self(_mm512_mask_blend_epi64(m, self.0, b.0))
+    }
+}
+
+/// With the `ifma-count` feature only (never in a product or timing build: a thread-local
+/// increment per IFMA would distort every timing): counts every `madd52lo` / `madd52hi` executed
+/// on this thread, so tests can check the exact IFMA count per batch that `mbtunnel speed`
+/// divides by (the kernels run a fixed instruction sequence per key size, so the count is a
+/// constant). `cargo test --release --lib --features ifma-count ifma_count` (run by `make test`).
+#[cfg(feature = "ifma-count")]
+pub(crate) mod ifma_count {
+    use std::cell::Cell;
+
+    thread_local! {
+        static N: Cell<u64> = const { Cell::new(0) };
+    }
+
+    #[inline(always)]
+    pub fn bump() {
+        N.with(|n| n.set(n.get() + 1));
+    }
+
+    /// The count since the last `take` on this thread, and reset it.
+    pub fn take() -> u64 {
+        N.with(|n| n.replace(0))
     }
 }
 

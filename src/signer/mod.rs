@@ -161,7 +161,7 @@ pub fn default_scalar_below(class: KeyClass) -> usize {
 
 /// Fallback until the class is calibrated ([`calibrate::fill_bound`]). The adaptive-fill bound
 /// per class: about six 8-lane batch times for RSA (a batch costs
-/// 1.37 / 4.25 / 10.2 ms for RSA-2048 / 3072 / 4096 here). Measured for RSA-2048 with
+/// 1.37 / 4.25 / 10.2 ms for RSA-2048 / 3072 / 4096 on that Zen 4; about half that on a Zen 5). Measured for RSA-2048 with
 /// `mbtunnel bench handshakes` (`benches/README.md`): 4 ms fills batches to ~4 lanes at
 /// concurrency 64, 8 ms to ~5, 12 ms no further; RSA-3072/4096 are scaled by their batch time.
 /// Zero (off) for ECDSA P-256, whose pass (29 µs) costs little more than one single op (18 µs).

@@ -146,6 +146,13 @@ pub enum Nonces<'a> {
     Injected(&'a [&'a [[u8; 32]]]),
 }
 
+/// IFMA instructions (`vpmadd52luq` + `vpmadd52huq`, eight lanes each) one 8-lane signing pass
+/// (`ifma::sign8`: base-point multiplication, the shared inversion, r and s) executes. A fixed
+/// sequence, so a constant; counted exactly and checked by
+/// `ifma_count_per_batch_is_exact` in `tests.rs`. (A lane whose r or s is zero reruns the
+/// pass, probability ~2^-255.) Counted with the `ifma-count` feature.
+pub const IFMA_PER_BATCH: u64 = 58_310;
+
 /// Maximum attempts per lane before giving up (r = 0 or s = 0 has probability ~2^-255).
 const MAX_ATTEMPTS: usize = 8;
 

@@ -299,6 +299,26 @@ pub(crate) fn ifma_k0(m0: u64) -> u64 {
     x.wrapping_neg() & ((1 << 52) - 1)
 }
 
+/// IFMA instructions (`vpmadd52luq` + `vpmadd52huq`, eight lanes each) one IFMA batch of
+/// `bits`-bit keys executes: both CRT exponentiations, the conversions in and out of the
+/// Montgomery domain, Garner's recombination and the batched fault check. The kernels run one
+/// fixed instruction sequence per size, so this is a constant; it is counted exactly with the
+/// `ifma-count` feature (`simd::ifma_count`) and checked by `ifma_count_per_batch_is_exact`
+/// below (`make test` runs it).
+/// `mbtunnel speed` divides it by the measured IFMA rate to give the share of the peak.
+pub fn ifma_per_batch(bits: usize) -> Option<u64> {
+    match bits {
+        2048 => Some(IFMA_PER_BATCH_2048),
+        3072 => Some(IFMA_PER_BATCH_3072),
+        4096 => Some(IFMA_PER_BATCH_4096),
+        _ => None,
+    }
+}
+
+const IFMA_PER_BATCH_2048: u64 = 3_732_072;
+const IFMA_PER_BATCH_3072: u64 = 11_887_272;
+const IFMA_PER_BATCH_4096: u64 = 27_523_200;
+
 /// Batched RSA signing. Stateless; all methods are synchronous and run on the calling thread.
 pub struct RsaBatch;
 
@@ -587,4 +607,39 @@ fn ifma_batch(
     _reps: &[&[u8]],
 ) -> Vec<Result<Vec<u8>, MbError>> {
     keys.iter().map(|_| Err(MbError::Unsupported("IFMA needs x86_64".into()))).collect()
+}
+
+#[cfg(all(test, target_arch = "x86_64", feature = "ifma-count"))]
+mod count_tests {
+    use super::*;
+
+    #[test]
+    fn ifma_count_per_batch_is_exact() {
+        let Some(_) = crate::mb::require_ifma("IFMA count per RSA batch") else { return };
+        let pems: [(usize, &str); 3] = [
+            (2048, include_str!("../../../tests/data/rsa2048-1.pem")),
+            (3072, include_str!("../../../tests/data/rsa3072-1.pem")),
+            (4096, include_str!("../../../tests/data/rsa4096-1.pem")),
+        ];
+        let mut counted = Vec::new();
+        for (bits, pem) in pems {
+            let key = RsaPrivateKey::from_pem(pem.as_bytes()).unwrap();
+            let keys = vec![&key; LANES];
+            let msgs: Vec<&[u8]> = vec![b"count"; LANES];
+            crate::mb::simd::ifma_count::take();
+            let r = RsaBatch::sign_with(Backend::Ifma, &keys, &msgs, Padding::Pkcs1Sha256);
+            let n = crate::mb::simd::ifma_count::take();
+            assert!(r.iter().all(|x| x.is_ok()));
+            eprintln!("RSA-{bits}: {n} IFMA per batch");
+            // A batch with one lane filled runs the same sequence.
+            crate::mb::simd::ifma_count::take();
+            let _ =
+                RsaBatch::sign_with(Backend::Ifma, &keys[..1], &msgs[..1], Padding::Pkcs1Sha256);
+            assert_eq!(crate::mb::simd::ifma_count::take(), n, "RSA-{bits}, one lane");
+            counted.push((bits, n));
+        }
+        for (bits, n) in counted {
+            assert_eq!(Some(n), ifma_per_batch(bits), "RSA-{bits}");
+        }
+    }
 }

@@ -91,6 +91,13 @@ impl Padding {
         matches!(self, Padding::PssSha256 | Padding::PssSha384 | Padding::PssSha512)
     }
 
+    /// The encoded message representative (`key.size()` big-endian bytes, below the modulus)
+    /// that the private operation raises to d: what a raw RSA primitive such as crypto_mb's is
+    /// given, so its output can be compared with ours.
+    pub fn encode(self, msg: &[u8], mod_bits: usize) -> Result<Vec<u8>, MbError> {
+        encode(self, msg, mod_bits)
+    }
+
     /// A short name, e.g. `pkcs1-sha256`, `pss-sha384`.
     pub fn name(self) -> &'static str {
         match self {

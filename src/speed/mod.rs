@@ -1,9 +1,15 @@
 //! `mbtunnel speed` and `mbtunnel doctor` as library functions.
 //!
 //! [`run_speed`] measures, per algorithm, the IFMA backend (full batches of eight) and the
-//! BoringSSL single-op path in the same run, on the calling thread, and reports ops/s, their
-//! ratio and the latency of one batch. Rows are a flat list so other algorithms (ECDSA P-256)
-//! add rows through [`measure_ops`] without changing the report format.
+//! BoringSSL single-op path in the same run, on the calling thread pinned to one core, in
+//! interleaved rounds, and reports the median ops/s of each, their ratio and the latency of one
+//! batch, with the CPU named, the measured IFMA rate of the core ([`crate::mb::peak`]) and the
+//! share of it each kernel reaches. Rows are a flat list so other algorithms add rows through
+//! [`measure_ops`] without changing the report format. [`compare`] adds Intel's crypto_mb and
+//! OpenSSL's own figures (`mbtunnel speed --compare crypto-mb`).
+
+pub mod compare;
+mod openssl;
 
 use std::fmt;
 use std::time::{Duration, Instant};
@@ -25,6 +31,10 @@ pub struct SpeedOptions {
     pub rsa_padding: Padding,
     /// Also measure the IFMA backend (skipped anyway when the CPU lacks it).
     pub ifma: bool,
+    /// Interleaved rounds; each figure is the median over them.
+    pub rounds: u32,
+    /// CPU to pin the measuring thread to (default: the last one it may run on).
+    pub cpu: Option<usize>,
 }
 
 impl Default for SpeedOptions {
@@ -34,6 +44,8 @@ impl Default for SpeedOptions {
             rsa_bits: vec![2048, 3072, 4096],
             rsa_padding: Padding::Pkcs1Sha256,
             ifma: true,
+            rounds: ROUNDS,
+            cpu: None,
         }
     }
 }
@@ -56,8 +68,13 @@ pub struct SpeedRow {
     pub scalar_ops_per_s: f64,
     /// `ifma_ops_per_s / scalar_ops_per_s`.
     pub ratio: Option<f64>,
-    /// Wall time of one full IFMA batch call (eight signatures), microseconds (best round).
+    /// Wall time of one full IFMA batch call (eight signatures), microseconds (median round).
     pub batch_latency_us: Option<f64>,
+    /// IFMA instructions one batch executes (exact, see `mb::rsa::ifma_per_batch`).
+    pub ifma_per_batch: Option<u64>,
+    /// `ifma_per_batch · batches/s ÷ ifma_peak_per_s`: the share of the core's measured IFMA
+    /// rate this row's IFMA figure reaches (everything outside the kernel counts as time too).
+    pub ifma_share_of_peak: Option<f64>,
     /// Smallest number of queued requests for which one IFMA batch finishes sooner than that many
     /// BoringSSL single operations (a batch costs the same with 1 or 8 lanes filled); below it a
     /// signer should use the single-op path.
@@ -73,11 +90,19 @@ pub fn crossover(batch_latency_us: f64, scalar_ops_per_s: f64) -> usize {
 /// The result of [`run_speed`].
 #[derive(Clone, Debug, Serialize)]
 pub struct SpeedReport {
+    /// The CPU (`/proc/cpuinfo` model name, family, model).
+    pub cpu: String,
+    /// The core the measuring thread was pinned to (None: pinning failed).
+    pub pinned_cpu: Option<usize>,
+    /// Measured IFMA instructions per second on that core (None: no IFMA).
+    pub ifma_peak_per_s: Option<f64>,
     /// Backend the process would use (`ifma` or `scalar`) and why.
     pub backend: String,
     pub backend_reason: String,
     pub cpu_features: String,
     pub seconds_per_measurement: f64,
+    /// Interleaved rounds; every figure is the median over them.
+    pub rounds: u32,
     pub rows: Vec<SpeedRow>,
 }
 
@@ -90,13 +115,27 @@ impl SpeedReport {
 
 impl fmt::Display for SpeedReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "cpu: {}", self.cpu)?;
+        writeln!(f, "{}", pinned_line(self.pinned_cpu))?;
+        writeln!(f, "{}", peak_line(self.ifma_peak_per_s))?;
         writeln!(f, "backend: {} ({})", self.backend, self.backend_reason)?;
         writeln!(f, "cpu features: {}", self.cpu_features)?;
-        writeln!(f, "{:.2} s per measurement, one thread", self.seconds_per_measurement)?;
         writeln!(
             f,
-            "{:<24} {:>12} {:>14} {:>8} {:>16} {:>10}",
-            "algorithm", "ifma ops/s", "boring ops/s", "ratio", "batch-8 latency", "crossover"
+            "{:.2} s per measurement in {} interleaved rounds, medians",
+            self.seconds_per_measurement, self.rounds
+        )?;
+        writeln!(
+            f,
+            "{:<24} {:>12} {:>14} {:>8} {:>16} {:>10} {:>12} {:>8}",
+            "algorithm",
+            "ifma ops/s",
+            "boring ops/s",
+            "ratio",
+            "batch-8 latency",
+            "crossover",
+            "IFMA/batch",
+            "of peak"
         )?;
         let opt = |v: Option<f64>, prec: usize, suffix: &str| match v {
             Some(x) => format!("{x:.prec$}{suffix}"),
@@ -105,17 +144,117 @@ impl fmt::Display for SpeedReport {
         for r in &self.rows {
             writeln!(
                 f,
-                "{:<24} {:>12} {:>14.0} {:>8} {:>16} {:>10}",
+                "{:<24} {:>12} {:>14.0} {:>8} {:>16} {:>10} {:>12} {:>8}",
                 r.algorithm,
                 opt(r.ifma_ops_per_s, 0, ""),
                 r.scalar_ops_per_s,
                 opt(r.ratio, 2, "x"),
                 opt(r.batch_latency_us, 0, " us"),
                 r.crossover_batch.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+                r.ifma_per_batch.map(|c| c.to_string()).unwrap_or_else(|| "-".into()),
+                opt(r.ifma_share_of_peak.map(|x| 100.0 * x), 1, "%"),
             )?;
         }
         Ok(())
     }
+}
+
+/// "pinned to CPU n" or why not.
+fn pinned_line(cpu: Option<usize>) -> String {
+    match cpu {
+        Some(c) => format!("measuring thread pinned to CPU {c}"),
+        None => "measuring thread NOT pinned (sched_setaffinity failed)".into(),
+    }
+}
+
+/// The measured IFMA rate, or that there is none.
+fn peak_line(peak: Option<f64>) -> String {
+    match peak {
+        Some(p) => format!(
+            "IFMA peak (measured, {} independent vpmadd52luq chains, 512-bit): {:.2} G/s on this core",
+            IFMA_PROBE_CHAINS,
+            p / 1e9
+        ),
+        None => "IFMA peak: - (CPU lacks AVX-512 IFMA)".into(),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+const IFMA_PROBE_CHAINS: usize = crate::mb::peak::CHAINS;
+#[cfg(not(target_arch = "x86_64"))]
+const IFMA_PROBE_CHAINS: usize = 0;
+
+/// Share of the IFMA peak: `per_batch` IFMA per 8 signatures at `ops_per_s` signatures/s.
+pub fn share_of_peak(
+    per_batch: Option<u64>,
+    ops_per_s: Option<f64>,
+    peak: Option<f64>,
+) -> Option<f64> {
+    Some(per_batch? as f64 * ops_per_s? / LANES as f64 / peak?)
+}
+
+/// Keeps the calling thread on one CPU until dropped, then restores its previous affinity.
+/// Threads and processes started from it meanwhile inherit the pin.
+pub struct Pin {
+    cpu: usize,
+    old: libc::cpu_set_t,
+    /// Not `Send`: it must be dropped on the thread it pinned.
+    _thread: std::marker::PhantomData<*const ()>,
+}
+
+impl Pin {
+    /// Pins to `cpu`, or by default to the last CPU the thread may run on now (CPU 0 takes most
+    /// interrupts). `None` when the call fails.
+    pub fn current_thread(cpu: Option<usize>) -> Option<Pin> {
+        // SAFETY: cpu_set_t is plain data; sched_{get,set}affinity(0, ..) act on the calling
+        // thread and only read/write the set passed by pointer with its exact size.
+        unsafe {
+            let mut old: libc::cpu_set_t = std::mem::zeroed();
+            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut old) != 0 {
+                return None;
+            }
+            let allowed: Vec<usize> =
+                (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &old)).collect();
+            let cpu = match cpu {
+                Some(c) => c,
+                None => *allowed.last()?,
+            };
+            if cpu >= libc::CPU_SETSIZE as usize {
+                return None;
+            }
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+                return None;
+            }
+            Some(Pin { cpu, old, _thread: std::marker::PhantomData })
+        }
+    }
+
+    pub fn cpu(&self) -> usize {
+        self.cpu
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        // SAFETY: restores the mask read in `current_thread`, on the same thread (`Pin` is not
+        // `Send`).
+        unsafe {
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &self.old);
+        }
+    }
+}
+
+/// Median of `v` (the mean of the middle two for an even count); `None` when empty.
+pub fn median(v: &[f64]) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    let n = s.len();
+    Some(if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 })
 }
 
 /// Runs `op` (which performs `ops_per_call` operations) repeatedly for about `duration` after
@@ -136,7 +275,7 @@ pub fn measure_ops(
     ((calls as f64 * ops_per_call as f64) / el.as_secs_f64(), el / calls as u32)
 }
 
-/// Alternating measurement rounds per algorithm (the best round of each side is reported).
+/// Default alternating measurement rounds per algorithm (each side's median is reported).
 pub const ROUNDS: u32 = 5;
 
 /// A key for benchmarking (generated by BoringSSL, e = 65537).
@@ -147,7 +286,13 @@ fn bench_key(bits: usize) -> RsaPrivateKey {
 
 /// Measures one RSA size: IFMA batches of eight (lanes cycle over several keys) and BoringSSL
 /// single-op, alternating, `duration` each in total.
-pub fn rsa_row(bits: usize, padding: Padding, duration: Duration, ifma: bool) -> SpeedRow {
+pub fn rsa_row(
+    bits: usize,
+    padding: Padding,
+    duration: Duration,
+    rounds: u32,
+    ifma: bool,
+) -> SpeedRow {
     let n_keys = if bits >= 4096 { 2 } else { 4 };
     let keys: Vec<RsaPrivateKey> = (0..n_keys).map(|_| bench_key(bits)).collect();
     let lane_keys: Vec<&RsaPrivateKey> = (0..LANES).map(|i| &keys[i % keys.len()]).collect();
@@ -156,7 +301,9 @@ pub fn rsa_row(bits: usize, padding: Padding, duration: Duration, ifma: bool) ->
     alternating_row(
         format!("RSA-{bits} {}", padding.name()),
         duration,
+        rounds,
         ifma,
+        crate::mb::rsa::ifma_per_batch(bits),
         || {
             let r = RsaBatch::sign_with(Backend::Scalar, &lane_keys[..1], &msgs[..1], padding);
             assert!(r[0].is_ok());
@@ -172,29 +319,33 @@ pub fn rsa_row(bits: usize, padding: Padding, duration: Duration, ifma: bool) ->
 const MESSAGE: &[u8] = b"mbtunnel speed: TLS 1.3 CertificateVerify stand-in message";
 
 /// Measures one algorithm: a single BoringSSL operation against one full IFMA batch of eight,
-/// in alternating short rounds, keeping each side's best round — on a shared machine this
+/// in alternating short rounds, reporting each side's median round — on a shared machine this
 /// compares the two under the same conditions instead of whichever ran while another process had
 /// the core.
 fn alternating_row(
     algorithm: String,
     duration: Duration,
+    rounds: u32,
     ifma: bool,
+    ifma_per_batch: Option<u64>,
     mut scalar_op: impl FnMut(),
     mut ifma_op: impl FnMut(),
 ) -> SpeedRow {
     let run_ifma = ifma && mb::cpu_features().ifma_capable();
-    let slice = duration / ROUNDS;
-    let (mut scalar, mut ifma_ops, mut lat) = (0f64, None::<f64>, None::<f64>);
-    for _ in 0..ROUNDS {
+    let rounds = rounds.max(1);
+    let slice = duration / rounds;
+    let (mut scalar, mut ifma_ops, mut lat) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds {
         let (s, _) = measure_ops(slice, 1, &mut scalar_op);
-        scalar = scalar.max(s);
+        scalar.push(s);
         if run_ifma {
             let (o, l) = measure_ops(slice, LANES, &mut ifma_op);
-            ifma_ops = Some(ifma_ops.unwrap_or(0.0).max(o));
-            let l = l.as_secs_f64() * 1e6;
-            lat = Some(lat.unwrap_or(f64::MAX).min(l));
+            ifma_ops.push(o);
+            lat.push(l.as_secs_f64() * 1e6);
         }
     }
+    let scalar = median(&scalar).unwrap_or(0.0);
+    let (ifma_ops, lat) = (median(&ifma_ops), median(&lat));
     SpeedRow {
         algorithm,
         ifma_ops_per_s: ifma_ops,
@@ -202,11 +353,13 @@ fn alternating_row(
         ratio: ifma_ops.map(|x| x / scalar),
         batch_latency_us: lat,
         crossover_batch: lat.map(|l| crossover(l, scalar)),
+        ifma_per_batch: ifma_ops.and(ifma_per_batch),
+        ifma_share_of_peak: None,
     }
 }
 
 /// Measures ECDSA P-256 signing (SHA-256, hedged nonces) the same way as RSA.
-pub fn p256_row(duration: Duration, ifma: bool) -> SpeedRow {
+pub fn p256_row(duration: Duration, rounds: u32, ifma: bool) -> SpeedRow {
     use crate::mb::p256::{sign_batch_with, EcdsaKey};
     let group = boring::ec::EcGroup::from_curve_name(boring::nid::Nid::X9_62_PRIME256V1)
         .expect("P-256 group");
@@ -222,29 +375,40 @@ pub fn p256_row(duration: Duration, ifma: bool) -> SpeedRow {
     alternating_row(
         "ECDSA-P256 sha256".into(),
         duration,
+        rounds,
         ifma,
+        Some(crate::mb::p256::IFMA_PER_BATCH),
         || assert!(sign_batch_with(Backend::Scalar, &lane_keys[..1], &msgs[..1])[0].is_ok()),
         || assert!(sign_batch_with(Backend::Ifma, &lane_keys, &msgs).iter().all(|r| r.is_ok())),
     )
 }
 
-/// Measures every configured algorithm. Takes about `2 · duration` per algorithm plus key
-/// generation.
+/// Measures every configured algorithm on the calling thread, pinned to one core for the
+/// duration. Takes about `2 · duration` per algorithm plus key generation and the IFMA probe.
 pub fn run_speed(opts: &SpeedOptions) -> SpeedReport {
     let choice = mb::backend_choice();
+    let pin = Pin::current_thread(opts.cpu);
     // A forced scalar backend measures the scalar path only: that is what the process would run.
     let ifma = opts.ifma && choice.backend == Backend::Ifma;
+    let peak = mb::ifma_peak_per_s(Duration::from_millis(200));
     let mut rows: Vec<SpeedRow> = opts
         .rsa_bits
         .iter()
-        .map(|&bits| rsa_row(bits, opts.rsa_padding, opts.duration, ifma))
+        .map(|&bits| rsa_row(bits, opts.rsa_padding, opts.duration, opts.rounds, ifma))
         .collect();
-    rows.push(p256_row(opts.duration, ifma));
+    rows.push(p256_row(opts.duration, opts.rounds, ifma));
+    for r in &mut rows {
+        r.ifma_share_of_peak = share_of_peak(r.ifma_per_batch, r.ifma_ops_per_s, peak);
+    }
     SpeedReport {
+        cpu: mb::cpu_description(),
+        pinned_cpu: pin.as_ref().map(Pin::cpu),
+        ifma_peak_per_s: peak,
         backend: choice.backend.to_string(),
         backend_reason: choice.reason.clone(),
         cpu_features: mb::cpu_features().to_string(),
         seconds_per_measurement: opts.duration.as_secs_f64(),
+        rounds: opts.rounds.max(1),
         rows,
     }
 }
@@ -293,10 +457,14 @@ mod tests {
     #[test]
     fn report_renders_as_table_and_json() {
         let r = SpeedReport {
+            cpu: "Test CPU (family 26 model 2)".into(),
+            pinned_cpu: Some(1),
+            ifma_peak_per_s: Some(8.0e9),
             backend: "ifma".into(),
             backend_reason: "test".into(),
             cpu_features: "avx512f".into(),
             seconds_per_measurement: 1.0,
+            rounds: 5,
             rows: vec![
                 SpeedRow {
                     algorithm: "RSA-2048 pkcs1-sha256".into(),
@@ -305,6 +473,8 @@ mod tests {
                     ratio: Some(8.0),
                     batch_latency_us: Some(800.0),
                     crossover_batch: Some(2),
+                    ifma_per_batch: Some(3_600_000),
+                    ifma_share_of_peak: Some(0.5625),
                 },
                 SpeedRow {
                     algorithm: "RSA-4096 pkcs1-sha256".into(),
@@ -313,14 +483,29 @@ mod tests {
                     ratio: None,
                     batch_latency_us: None,
                     crossover_batch: None,
+                    ifma_per_batch: None,
+                    ifma_share_of_peak: None,
                 },
             ],
         };
         let t = r.to_string();
         assert!(t.contains("RSA-2048 pkcs1-sha256") && t.contains("8.00x"), "{t}");
+        assert!(t.contains("cpu: Test CPU (family 26 model 2)") && t.contains("8.00 G/s"), "{t}");
+        assert!(t.contains("56.2%"), "{t}");
         let v: serde_json::Value = serde_json::from_str(&r.to_json()).unwrap();
         assert_eq!(v["rows"][0]["ratio"], 8.0);
         assert!(v["rows"][1]["ifma_ops_per_s"].is_null());
+    }
+
+    #[test]
+    fn medians_and_shares() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(&[]), None);
+        // 10,000 sig/s = 1,250 batches/s × 3.2 M IFMA = 4 G/s of an 8 G/s peak.
+        let s = share_of_peak(Some(3_200_000), Some(10_000.0), Some(8e9)).unwrap();
+        assert!((s - 0.5).abs() < 1e-12, "{s}");
+        assert_eq!(share_of_peak(None, Some(1.0), Some(1.0)), None);
     }
 
     #[test]
@@ -341,9 +526,12 @@ mod tests {
         let opts = SpeedOptions {
             duration: Duration::from_millis(30),
             rsa_bits: vec![2048],
+            rounds: 3,
             ..Default::default()
         };
         let r = run_speed(&opts);
+        assert!(!r.cpu.is_empty());
+        assert_eq!(r.ifma_peak_per_s.is_some(), crate::mb::cpu_features().ifma_capable());
         assert_eq!(r.rows.len(), 2, "RSA-2048 and ECDSA P-256");
         assert!(r.rows[1].algorithm.starts_with("ECDSA-P256"));
         for row in &r.rows {
