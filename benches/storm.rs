@@ -12,7 +12,8 @@
 //!    address (the reference) — needs root (`IP_TRANSPARENT`).
 //!
 //! `cargo bench --bench storm` (all), or name parts: `cargo bench --bench storm -- identity
-//! handshake flood dial`. Sizes: STORM_IDENTITIES (2000), STORM_HANDSHAKES (2000), STORM_FLOOD
+//! handshake flood dial`. Sizes: STORM_IDENTITIES (2000), STORM_HANDSHAKES (2000), STORM_BOUND
+//! (the admission bound, default `max_concurrent_handshakes`), STORM_FLOOD
 //! (5000), STORM_DIAL_SECS (60). Loopback blocks 127.0.91.x – 127.0.94.x.
 
 use std::net::{IpAddr, SocketAddr};
@@ -208,7 +209,10 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f
 async fn handshake_storm() {
     let n = env_usize("STORM_HANDSHAKES", 2000);
     let dir = std::env::temp_dir().join(format!("mbt-storm-hs-{}", std::process::id()));
-    let bounded = mbtunnel::net::Limits::default().max_concurrent_handshakes;
+    let bounded = env_usize(
+        "STORM_BOUND",
+        mbtunnel::net::Limits::default().max_concurrent_handshakes,
+    );
     println!("handshake storm, {n} RSA-2048 server handshakes at once ({}):", cpu_model());
     let mut rows = Vec::new();
     for round in 0..3 {
