@@ -209,10 +209,8 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f
 async fn handshake_storm() {
     let n = env_usize("STORM_HANDSHAKES", 2000);
     let dir = std::env::temp_dir().join(format!("mbt-storm-hs-{}", std::process::id()));
-    let bounded = env_usize(
-        "STORM_BOUND",
-        mbtunnel::net::Limits::default().max_concurrent_handshakes,
-    );
+    let bounded =
+        env_usize("STORM_BOUND", mbtunnel::net::Limits::default().max_concurrent_handshakes);
     println!("handshake storm, {n} RSA-2048 server handshakes at once ({}):", cpu_model());
     let mut rows = Vec::new();
     for round in 0..3 {
