@@ -53,11 +53,16 @@ topo_netns_up() {
 }
 
 # --- mesh state, CA ------------------------------------------------------------------------------
-# The CA goes to $WORK/ca (root from the anchors), ztunnel's workloads to $WORK/zt-workloads.yaml.
+# The CA goes to $WORK/ca (ztunnel's FAKE_CA root from the anchors; without them, mbtunnel alone,
+# a development root from scripts/make-ca.sh), ztunnel's workloads to $WORK/zt-workloads.yaml.
 topo_write_mesh() {
-  mkdir -p "$WORK/ca"
-  cp "$ANCHORS/ztunnel-fake-root-cert.pem" "$WORK/ca/ca-cert.pem"
-  cp "$ANCHORS/ztunnel-fake-root-key.pem" "$WORK/ca/ca-key.pem"
+  if [ -e "${ANCHORS:-}/ztunnel-fake-root-cert.pem" ]; then
+    mkdir -p "$WORK/ca"
+    cp "$ANCHORS/ztunnel-fake-root-cert.pem" "$WORK/ca/ca-cert.pem"
+    cp "$ANCHORS/ztunnel-fake-root-key.pem" "$WORK/ca/ca-key.pem"
+  else
+    scripts/make-ca.sh "$WORK/ca" cluster.local >/dev/null
+  fi
   cat > "$WORK/zt-workloads.yaml" <<YAML
 workloads:
 - uid: cluster1//v1/Pod/default/client
