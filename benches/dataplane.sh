@@ -79,14 +79,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-topo_netns_up
 topo_write_mesh
-# The handshake clients dial the server proxy's 15008 themselves, as a peer proxy would: not captured.
-nsx "$A" iptables -t nat -I OUTPUT 1 -p tcp -d "$IP_B/32" --dport 15008 -j RETURN
-# Connection-per-request runs open thousands of connections per second: room for ephemeral ports.
-for ns in "$A" "$B"; do
-  nsx "$ns" sysctl -qw net.ipv4.ip_local_port_range="1024 65000" net.ipv4.tcp_tw_reuse=1
-done
 
 # --- the apps on node B: nginx (1 KB body for any method), iperf3 server ----------------------
 mkdir -p "$WORK/nginx/logs" "$WORK/nginx/tmp"
@@ -112,10 +105,6 @@ http {
   }
 }
 NGINX
-nsx "$B" nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" -g 'daemon off;' > "$WORK/nginx/stdout.log" 2>&1 &
-NGINX_PID=$!; PIDS+=("$NGINX_PID")
-nsx "$B" iperf3 -s -B "$IP_B" -p 5201 > "$WORK/iperf3-server.log" 2>&1 &
-IPERF_PID=$!; PIDS+=("$IPERF_PID")
 head -c 1024 /dev/zero | tr '\0' 'y' > "$WORK/req.bin"
 cat > "$WORK/post.lua" <<'LUA'
 wrk.method = "POST"
@@ -123,11 +112,37 @@ wrk.body = string.rep("y", 1024)
 wrk.headers["Content-Type"] = "application/octet-stream"
 LUA
 { cat "$WORK/post.lua"; echo 'wrk.headers["Connection"] = "close"'; } > "$WORK/post-close.lua"
-for i in $(seq 1 50); do
-  nsx "$B" curl -fsS -o /dev/null "http://$IP_B/" 2>/dev/null && break; sleep 0.1
-done
-got=$(nsx "$B" curl -fsS -X POST --data-binary @"$WORK/req.bin" "http://$IP_B/" | wc -c)
-[ "$got" = 1024 ] || { say "nginx does not answer 1 KB (got $got bytes)"; cat "$WORK/nginx/logs/error.log"; exit 1; }
+# --- fresh nodes for each run: namespaces, capture, apps ---------------------------------------------
+# Every product run gets its own namespaces, so no run inherits another's sockets (a connection-per-
+# request run leaves tens of thousands in TIME-WAIT) or state.
+nodes_up() { # dir
+  topo_netns_up
+  # The handshake clients dial the server proxy's 15008 themselves, as a peer proxy would: not captured.
+  nsx "$A" iptables -t nat -I OUTPUT 1 -p tcp -d "$IP_B/32" --dport 15008 -j RETURN
+  # Connection-per-request runs open thousands of connections per second: room for ephemeral ports.
+  local ns
+  for ns in "$A" "$B"; do
+    nsx "$ns" sysctl -qw net.ipv4.ip_local_port_range="1024 65000" net.ipv4.tcp_tw_reuse=1
+  done
+  ip netns exec "$B" nginx -p "$WORK/nginx" -c "$WORK/nginx/nginx.conf" -g 'daemon off;' > "$1/nginx.log" 2>&1 &
+  NGINX_PID=$!; PIDS+=("$NGINX_PID")
+  ip netns exec "$B" iperf3 -s -B "$IP_B" -p 5201 > "$1/iperf3-server.log" 2>&1 &
+  IPERF_PID=$!; PIDS+=("$IPERF_PID")
+  local i got=0
+  for i in $(seq 1 50); do
+    got=$(nsx "$B" curl -fsS -X POST --data-binary @"$WORK/req.bin" "http://$IP_B/" 2>/dev/null | wc -c) || true
+    [ "$got" = 1024 ] && break; sleep 0.1
+  done
+  [ "$got" = 1024 ] || { say "nginx does not answer 1 KB (got $got bytes)"; cat "$WORK/nginx/logs/error.log"; return 1; }
+  for i in $(seq 1 50); do
+    nsx "$B" ss -Htln "sport = :5201" | grep -q . && return 0; sleep 0.1
+  done
+  say "iperf3 server not listening"; return 1
+}
+nodes_down() {
+  stop "$NGINX_PID"; stop "$IPERF_PID"
+  ip netns del "$A"; ip netns del "$B"
+}
 
 # --- the handshake client's leaf: EC P-256, SPIFFE id of default/client, from the shared root -----
 openssl ecparam -name prime256v1 -genkey -noout -out "$WORK/hs-key.pem" 2>/dev/null
@@ -178,6 +193,7 @@ run_product() { # product round attempt → dir in RUN_DIR
   local prod=$1 dir="$WORK/runs/$1-r$2-a$3"
   mkdir -p "$dir"; RUN_DIR=$dir
   quiet_wait
+  nodes_up "$dir" || return 1
   if ! start_pair "$prod" "$dir"; then
     echo "{\"error\": \"proxies not ready\"}" > "$dir/meta.json"; stop "$CPID"; stop "$SPID"; return 1
   fi
@@ -190,6 +206,8 @@ run_product() { # product round attempt → dir in RUN_DIR
   measure "$dir" fixed "$("$PY" -c "print($SECS * 0.75)")" ip netns exec "$A" hey -z "${SECS}s" -c "$CONNS" \
     -q "$("$PY" -c "print($RATE / $CONNS)")" -m POST -D "$WORK/req.bin" -T application/octet-stream "http://$IP_B/"
   measure "$dir" cpr -1 ip netns exec "$A" wrk -t 2 -c "$CONNS" -d "${SECS}s" -s "$WORK/post-close.lua" "http://$IP_B/"
+  local tw_a tw_b   # sockets left in TIME-WAIT by the connection-per-request run (port room)
+  tw_a=$(nsx "$A" ss -Htan state time-wait | wc -l); tw_b=$(nsx "$B" ss -Htan state time-wait | wc -l)
   local i hs_cmd=""
   for i in $(seq 1 "$HS_PROCS"); do
     hs_cmd+="openssl s_time -connect $IP_B:15008 -new -time $SECS -cert $WORK/hs-cert.pem -key $WORK/hs-key.pem > $dir/hs-$i.out 2>&1 & "
@@ -204,6 +222,8 @@ run_product() { # product round attempt → dir in RUN_DIR
              /^Server Temp Key: / {sub(/^Server Temp Key: /, ""); sub(/,.*/, ""); k = $0}
              END {print c " " k}' <<<"$sc")
   grep -qi 'alert' <<<"$sc" && accepted=0
+  local tickets
+  tickets=$(grep -c 'Post-Handshake New Session Ticket' <<<"$sc" || true)
   # Server-side handshake failures logged during the run, apart from the client's abrupt close
   # (s_time closes its socket right after its Finished: a server that still writes then, e.g. a
   # session ticket, sees a reset; its handshake work is done by then).
@@ -223,10 +243,12 @@ run_product() { # product round attempt → dir in RUN_DIR
   local rss_c rss_s
   rss_c=$(awk '/^VmRSS/ {print $2}' "/proc/$CPID/status"); rss_s=$(awk '/^VmRSS/ {print $2}' "/proc/$SPID/status")
   stop "$CPID"; stop "$SPID"
+  nodes_down
   cat > "$dir/meta.json" <<JSON
 {"product": "$prod", "round": $2, "attempt": $3, "quiet_pre": $QUIET_PRE, "secs": $SECS,
- "hs_procs": $HS_PROCS, "hs_negotiated": "$neg", "rate": $RATE, "conns": $CONNS, "server_mtls_connections": $mtls,
- "hs_leaf_accepted": $accepted, "hs_server_rejections": $rej, "hs_server_resets": $rst, "rss_end_client_kib": ${rss_c:-0}, "rss_end_server_kib": ${rss_s:-0}}
+ "hs_procs": $HS_PROCS, "hs_negotiated": "$neg", "hs_tickets": $tickets, "rate": $RATE, "conns": $CONNS, "server_mtls_connections": $mtls,
+ "hs_leaf_accepted": $accepted, "hs_server_rejections": $rej, "hs_server_resets": $rst, "time_wait_a": $tw_a, "time_wait_b": $tw_b,
+ "rss_end_client_kib": ${rss_c:-0}, "rss_end_server_kib": ${rss_s:-0}}
 JSON
 }
 

@@ -148,11 +148,13 @@ def parse_run(d):
             if rej > 0.01 * total:
                 problems.append("hs: the server logged %d failed handshakes (not resets) of %d" % (rej, total))
             v["hs_reset_share"] = meta.get("hs_server_resets", 0) / total
+        else:
+            problems.append("hs: no handshakes")
         if meta.get("hs_leaf_accepted", 1) == 0:
             problems.append("hs: the server refused the client leaf (s_client saw an alert): "
                             "s_time's count is not a count of accepted handshakes")
-        else:
-            problems.append("hs: no handshakes")
+    v["hs_tickets"] = meta.get("hs_tickets")
+    v["time_wait"] = (meta["time_wait_a"] + meta["time_wait_b"]) if "time_wait_a" in meta else None
     if meta.get("server_mtls_connections", 1) == 0:
         problems.append("the server proxy counted no mutual_tls connection: capture or HBONE not used")
     return meta, v, problems
@@ -269,6 +271,8 @@ def table(argv):
         ("fixed rate: RSS server-side proxy", "fixed_rss_server_mib", "mib"),
         ("connection per request: proxy CPU-seconds per 1000 connections", "cpr_cpu_per_k", "4"),
         ("handshakes: share the server logged as reset by s_time's close", "hs_reset_share", "2"),
+        ("handshakes: TLS 1.3 session tickets the server sends (one s_client)", "hs_tickets", "int"),
+        ("sockets in TIME-WAIT after the connection-per-request run (both nodes)", "time_wait", "int"),
         ("most CPUs of other load during a workload (quiet check)", "foreign_max", "2"),
         ("most CPU steal during a workload (hypervisor)", "steal_max", "2"),
     ]

@@ -129,4 +129,10 @@ wait_ready() { # ns name log
   done
   echo "  $2 in $1 did not become ready"; tail -n 30 "$3"; return 1
 }
-stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+# Stops one process started here and forgets it (cleanup must not signal a PID reused since).
+stop() {
+  kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true
+  local p keep=()
+  for p in "${PIDS[@]}"; do [ "$p" = "$1" ] || keep+=("$p"); done
+  PIDS=("${keep[@]}")
+}
