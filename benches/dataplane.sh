@@ -271,6 +271,11 @@ for r in $(seq 1 "$ROUNDS"); do
   done
 done
 
+ZT_VER=""
+if [ -n "${ZT:-}" ]; then
+  ZT_VER=$(timeout 5 "$ZT" version 2>/dev/null | sed -nE 's/.*GitRevision:"([0-9a-f]{8})[^"]*".*RustVersion:"([^"]*)".*CryptoProvider:"([^"]*)".*/ztunnel \1 (Rust \2, \3)/p' | head -n1)
+  ZT_VER=${ZT_VER:-ztunnel $(basename "$ZT")}
+fi
 CPU_NAME=$(lscpu | awk -F: '/^Model name/ {gsub(/^ +/, "", $2); print $2; exit}')
 CPU_FAM=$(lscpu | awk -F: '/^CPU family/ {gsub(/ /, "", $2); print $2; exit}')
 CPU_MOD=$(lscpu | awk -F: '/^Model:/ {gsub(/ /, "", $2); print $2; exit}')
@@ -280,6 +285,6 @@ CMD="benches/dataplane.sh"
 for v in ROUNDS SECS RATE CONNS HS_PROCS QUIET_MAX RETRIES; do CMD="$v=${!v} $CMD"; done
 "$PY" benches/lib/dataplane_report.py table "$WORK/runs" \
   --cpu "$CPU_DESC" --command "$CMD" --date "$(date -u +%F)" \
-  --mbtunnel "$("$BIN" version 2>/dev/null | head -n1 || echo mbtunnel)" \
-  --ztunnel "${ZT:+ztunnel $(basename "$ZT")}" --note "$ZT_NOTE" --quiet_max "$QUIET_MAX" \
+  --mbtunnel "$("$BIN" version 2>/dev/null | head -n1 || echo mbtunnel), binary built $(date -u -r "$BIN" '+%F %H:%M UTC')" \
+  --ztunnel "$ZT_VER" --note "$ZT_NOTE" --quiet_max "$QUIET_MAX" \
   --readme "$README_FILE" --write-readme "$README"

@@ -239,6 +239,18 @@ def table(argv):
                  "(utime+stime), both proxies summed; ratio = mbtunnel median / ztunnel median."
                  % ", ".join("%d %s" % (nrounds[p], p) for p in prods))
     lines.append("")
+    qmax = float(opts["quiet_max"]) if opts.get("quiet_max") else None
+    disturbed = [(p, rnd) for p in prods for rnd, r in data[p].items()
+                 if qmax is not None and r[2].get("foreign_max", 0) > qmax]
+    broken = [(p, rnd) for p in prods for rnd, r in data[p].items() if r[3]]
+    if disturbed:
+        lines.append("**%d of %d runs overlapped other load even after their retries (see the remarks "
+                     "below): these figures are disturbed, not a measurement of a quiet machine.**"
+                     % (len(disturbed), sum(nrounds.values())))
+        lines.append("")
+    if broken:
+        lines.append("**%d runs had errors (see the remarks below).**" % len(broken))
+        lines.append("")
     lines.append("| workload | ztunnel | mbtunnel | mbtunnel / ztunnel | target | met |")
     lines.append("|---|---|---|---|---|---|")
     for label, key, style, op, tgt, ttext in rows:
@@ -289,8 +301,7 @@ def table(argv):
             bits = []
             if att > 1:
                 bits.append("re-run %d× (an earlier attempt overlapped other load)" % (att - 1))
-            q = float(opts.get("quiet_max", "nan")) if opts.get("quiet_max") else None
-            if q is not None and v.get("foreign_max", 0) > q:
+            if qmax is not None and v.get("foreign_max", 0) > qmax:
                 bits.append("still overlapped other load (%.2f CPUs)" % v["foreign_max"])
             bits += problems
             if bits:
@@ -304,11 +315,16 @@ def table(argv):
                  "(EC P-256, `spiffe://cluster.local/ns/default/sa/client`) from the shared root — s_time "
                  "offers no ALPN, which both servers accept%s; the server's log is checked for rejected "
                  "handshakes, since s_time counts a TLS 1.3 handshake before the server has judged the "
-                 "client certificate. RSS is VmRSS 3/4 into the fixed-rate run, the mean of the two proxies. "
-                 "Quiet check: CPU time of processes outside the bench (from `/proc/stat`, all CPUs) "
-                 "during each workload."
+                 "client certificate. GB = 10^9 bytes received by iperf3. RSS is VmRSS 3/4 into the "
+                 "fixed-rate run, the mean of the two proxies. Every product run has fresh node "
+                 "namespaces, apps and proxies; each proxy runs with its own default settings and log "
+                 "level (ztunnel writes an access line per connection, mbtunnel too), logs to a file. "
+                 "Quiet check: before each run the machine must be idle, and during each workload the "
+                 "CPU time of processes outside the bench (`/proc/stat` minus the proxies, apps, load "
+                 "generator and ksoftirqd) must stay under %s CPUs, else the run is re-run with fresh "
+                 "proxies."
                  % (conns, conns, rate / conns, rate, hsp,
-                    ("; negotiated: " + ", ".join(neg)) if neg else ""))
+                    ("; negotiated: " + ", ".join(neg)) if neg else "", opts.get("quiet_max", "?")))
     lines.append("")
     if notes:
         lines.append("Rounds with remarks:")
