@@ -33,7 +33,7 @@
 #
 # Without the ztunnel binary (../shared/anchors/ztunnel-path) it measures mbtunnel alone and says
 # so. Prints the table (medians over the rounds, min–max spread) and writes it between markers in
-# benches/README.md (README=0 to skip; README_FILE to choose).
+# benches/README.md (README_WRITE=0 to skip; README_FILE to choose).
 #
 # Environment: BIN (mbtunnel; default target/release/mbtunnel, built with `cargo build --release`
 # if missing), ROUNDS=5, SECS=5, RATE=1000, CONNS=16, HS_PROCS=4, QUIET_MAX=0.25, QUIET_SECS=2,
@@ -45,7 +45,7 @@ BIN=${BIN:-target/release/mbtunnel}
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-5}; SECS=${SECS:-5}; RATE=${RATE:-1000}; CONNS=${CONNS:-16}; HS_PROCS=${HS_PROCS:-4}
 QUIET_MAX=${QUIET_MAX:-0.25}; QUIET_SECS=${QUIET_SECS:-2}; QUIET_WAIT=${QUIET_WAIT:-30}
-RETRIES=${RETRIES:-2}; README=${README:-1}; README_FILE=${README_FILE:-benches/README.md}
+RETRIES=${RETRIES:-2}; README_WRITE=${README_WRITE:-1}; README_FILE=${README_FILE:-benches/README.md}
 PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
 say() { echo "dataplane: $*"; }
 
@@ -262,7 +262,7 @@ for r in $(seq 1 "$ROUNDS"); do
   for prod in "${order[@]}"; do
     for a in $(seq 0 "$RETRIES"); do
       say "round $r/$ROUNDS $prod (attempt $((a + 1)))"
-      run_product "$prod" "$r" "$a" || { say "  $prod: proxies did not start"; tail -n 20 "$RUN_DIR"/*.log; exit 1; }
+      run_product "$prod" "$r" "$a" || { say "  $prod: run failed (nodes or proxies did not come up)"; tail -n 20 "$RUN_DIR"/*.log; exit 1; }
       verdict=$("$PY" benches/lib/dataplane_report.py check "$RUN_DIR" "$QUIET_MAX")
       say "  $verdict"
       case "$verdict" in quiet*) break ;; esac
@@ -281,10 +281,11 @@ CPU_FAM=$(lscpu | awk -F: '/^CPU family/ {gsub(/ /, "", $2); print $2; exit}')
 CPU_MOD=$(lscpu | awk -F: '/^Model:/ {gsub(/ /, "", $2); print $2; exit}')
 HYP=$(lscpu | awk -F: '/^Hypervisor vendor/ {gsub(/ /, "", $2); print $2; exit}')
 CPU_DESC="$CPU_NAME (family $CPU_FAM, model $CPU_MOD), $(nproc) vCPUs${HYP:+ under $HYP}, kernel $(uname -r)"
-CMD="benches/dataplane.sh"
-for v in ROUNDS SECS RATE CONNS HS_PROCS QUIET_MAX RETRIES; do CMD="$v=${!v} $CMD"; done
+CMD=""
+for v in ROUNDS SECS RATE CONNS HS_PROCS QUIET_MAX RETRIES; do CMD+="$v=${!v} "; done
+CMD+="benches/dataplane.sh"
 "$PY" benches/lib/dataplane_report.py table "$WORK/runs" \
   --cpu "$CPU_DESC" --command "$CMD" --date "$(date -u +%F)" \
   --mbtunnel "$("$BIN" version 2>/dev/null | head -n1 || echo mbtunnel), binary built $(date -u -r "$BIN" '+%F %H:%M UTC')" \
   --ztunnel "$ZT_VER" --note "$ZT_NOTE" --quiet_max "$QUIET_MAX" \
-  --readme "$README_FILE" --write-readme "$README"
+  --readme "$README_FILE" --write-readme "$README_WRITE"
