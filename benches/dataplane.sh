@@ -13,10 +13,11 @@
 #
 # Workloads, in this order, on one pair of fresh proxies per product and round (ROUNDS rounds,
 # mbtunnel and ztunnel interleaved, the first product alternating between rounds):
+#   fixed   hey -c 16 -q RATE/16 (RATE req/s in all), POST 1 KB request → 1 KB response
+#                                                                 → proxy vCPU, RSS per proxy
 #   iperf1  iperf3 one stream, SECS seconds                       → Gbit/s, proxy CPU-s per GB
 #   iperf4  iperf3 -P 4                                           → Gbit/s, proxy CPU-s per GB
-#   wrk     wrk -c 16, POST 1 KB request → 1 KB response          → max req/s, CPU-s per 1000 req
-#   fixed   hey -c 16 -q RATE/16 (RATE req/s in all), same request → proxy vCPU, RSS per proxy
+#   wrk     wrk -c 16, the same request                           → max req/s, CPU-s per 1000 req
 #   cpr     wrk -c 16 with "Connection: close": a new TCP connection per request, through the
 #           pooled HBONE connection                               → conn/s
 #   hs      HS_PROCS × `openssl s_time -new` straight to the server proxy's 15008 with a client
@@ -200,11 +201,13 @@ run_product() { # product round attempt → dir in RUN_DIR
   # Warm-up: certificates fetched, the pooled HBONE connection up.
   nsx "$A" curl -fsS -o /dev/null --max-time 10 -X POST --data-binary @"$WORK/req.bin" "http://$IP_B/" || true
   sleep 0.5
+  # The fixed rate first, on the fresh proxies: its RSS is the proxies' at that load, not what the
+  # throughput runs left behind (that shows in the RSS read after the last workload).
+  measure "$dir" fixed "$("$PY" -c "print($SECS * 0.75)")" ip netns exec "$A" hey -z "${SECS}s" -c "$CONNS" \
+    -q "$("$PY" -c "print($RATE / $CONNS)")" -m POST -D "$WORK/req.bin" -T application/octet-stream "http://$IP_B/"
   measure "$dir" iperf1 -1 ip netns exec "$A" iperf3 -c "$IP_B" -p 5201 -t "$SECS" -J
   measure "$dir" iperf4 -1 ip netns exec "$A" iperf3 -c "$IP_B" -p 5201 -t "$SECS" -P 4 -J
   measure "$dir" wrk -1 ip netns exec "$A" wrk -t 2 -c "$CONNS" -d "${SECS}s" -s "$WORK/post.lua" "http://$IP_B/"
-  measure "$dir" fixed "$("$PY" -c "print($SECS * 0.75)")" ip netns exec "$A" hey -z "${SECS}s" -c "$CONNS" \
-    -q "$("$PY" -c "print($RATE / $CONNS)")" -m POST -D "$WORK/req.bin" -T application/octet-stream "http://$IP_B/"
   measure "$dir" cpr -1 ip netns exec "$A" wrk -t 2 -c "$CONNS" -d "${SECS}s" -s "$WORK/post-close.lua" "http://$IP_B/"
   local tw_a tw_b   # sockets left in TIME-WAIT by the connection-per-request run (port room)
   tw_a=$(nsx "$A" ss -Htan state time-wait | wc -l); tw_b=$(nsx "$B" ss -Htan state time-wait | wc -l)

@@ -20,7 +20,7 @@ import sys
 
 BEGIN = "<!-- dataplane-bench:begin (written by benches/dataplane.sh; a rerun replaces it) -->"
 END = "<!-- dataplane-bench:end -->"
-WORKLOADS = ["iperf1", "iperf4", "wrk", "fixed", "cpr", "hs"]
+WORKLOADS = ["fixed", "iperf1", "iperf4", "wrk", "cpr", "hs"]
 
 
 def load(path):
@@ -153,6 +153,8 @@ def parse_run(d):
         if meta.get("hs_leaf_accepted", 1) == 0:
             problems.append("hs: the server refused the client leaf (s_client saw an alert): "
                             "s_time's count is not a count of accepted handshakes")
+    if "rss_end_client_kib" in meta:
+        v["rss_end_mib"] = (meta["rss_end_client_kib"] + meta["rss_end_server_kib"]) / 2 / 1024
     v["hs_tickets"] = meta.get("hs_tickets")
     v["time_wait"] = (meta["time_wait_a"] + meta["time_wait_b"]) if "time_wait_a" in meta else None
     if meta.get("server_mtls_connections", 1) == 0:
@@ -281,6 +283,7 @@ def table(argv):
         ("fixed rate: achieved req/s (hey)", "fixed_achieved", "int"),
         ("fixed rate: RSS client-side proxy", "fixed_rss_client_mib", "mib"),
         ("fixed rate: RSS server-side proxy", "fixed_rss_server_mib", "mib"),
+        ("RSS per proxy after all workloads (mean of the two)", "rss_end_mib", "mib"),
         ("connection per request: proxy CPU-seconds per 1000 connections", "cpr_cpu_per_k", "4"),
         ("handshakes: share the server logged as reset by s_time's close", "hs_reset_share", "2"),
         ("handshakes: TLS 1.3 session tickets the server sends (one s_client)", "hs_tickets", "int"),
@@ -316,8 +319,8 @@ def table(argv):
                  "offers no ALPN, which both servers accept%s; the server's log is checked for rejected "
                  "handshakes, since s_time counts a TLS 1.3 handshake before the server has judged the "
                  "client certificate. GB = 10^9 bytes received by iperf3. RSS is VmRSS 3/4 into the "
-                 "fixed-rate run, the mean of the two proxies. Every product run has fresh node "
-                 "namespaces, apps and proxies; each proxy runs with its own default settings and log "
+                 "fixed-rate run (the first workload on the fresh proxies), the mean of the two "
+                 "proxies. Every product run has fresh node namespaces, apps and proxies; each proxy runs with its own default settings and log "
                  "level (ztunnel writes an access line per connection, mbtunnel too), logs to a file. "
                  "Quiet check: before each run the machine must be idle, and during each workload the "
                  "CPU time of processes outside the bench (`/proc/stat` minus the proxies, apps, load "
