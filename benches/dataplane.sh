@@ -289,6 +289,6 @@ for v in ROUNDS SECS RATE CONNS HS_PROCS QUIET_MAX RETRIES; do CMD+="$v=${!v} ";
 CMD+="benches/dataplane.sh"
 "$PY" benches/lib/dataplane_report.py table "$WORK/runs" \
   --cpu "$CPU_DESC" --command "$CMD" --date "$(date -u +%F)" \
-  --mbtunnel "$("$BIN" version 2>/dev/null | head -n1 || echo mbtunnel), binary built $(date -u -r "$BIN" '+%F %H:%M UTC')" \
+  --mbtunnel "$("$BIN" version 2>/dev/null | head -n1 || echo mbtunnel), binary file dated $(date -u -r "$BIN" '+%F %H:%M UTC')" \
   --ztunnel "$ZT_VER" --note "$ZT_NOTE" --quiet_max "$QUIET_MAX" \
   --readme "$README_FILE" --write-readme "$README_WRITE"
