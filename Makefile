@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: deps build demo test lint bench speed clean image validate-deploy fuzz fuzz-smoke
+.PHONY: deps build demo test lint bench bench-dataplane speed clean image validate-deploy fuzz fuzz-smoke
 
 deps:
 	@./scripts/deps.sh
@@ -30,6 +30,13 @@ lint: deps
 
 bench: deps
 	$(CARGO) bench --bench mb
+
+# Data plane side by side with ztunnel (root: network namespaces; issue 14): prints the table and
+# writes it to benches/README.md. Its tools (iperf3, wrk, hey, nginx) are installed here only.
+# ROUNDS, SECS, BIN, ... as documented at the top of benches/dataplane.sh.
+bench-dataplane:
+	./scripts/bench-deps.sh
+	./benches/dataplane.sh
 
 clean:
 	$(CARGO) clean

@@ -31,10 +31,10 @@ set -euo pipefail
 BIN=${BIN:-target/release/mbtunnel}
 [ -e "$BIN" ] && BIN=$(realpath "$BIN")     # before the cd below: BIN may be relative to the caller
 cd "$(dirname "$0")/.."
-if [ -z "${ANCHORS:-}" ]; then
-  ANCHORS=../shared/anchors; [ -d "$ANCHORS" ] || ANCHORS=/work/shared/anchors
-fi
-if [ ! -x "$ANCHORS/ztunnel-path" ] || ! ZT=$("$ANCHORS/ztunnel-path" 2>/dev/null) || [ ! -x "$ZT" ]; then
+T="mbzt$$"
+# Topology, mesh state and proxy start-up are shared with benches/dataplane.sh.
+. benches/lib/topology.sh
+if ! topo_find_ztunnel; then
   echo "interop-ztunnel: SKIPPED (no ztunnel binary: $ANCHORS/ztunnel-path did not give one)"; exit 0
 fi
 if [ "$(id -u)" != 0 ]; then echo "interop-ztunnel: needs root (network namespaces)"; exit 1; fi
@@ -43,72 +43,17 @@ for c in ip iptables curl timeout; do
   command -v "$c" >/dev/null || { echo "interop-ztunnel: needs $c"; exit 1; }
 done
 
-T="mbzt$$"; A="$T-a"; B="$T-b"
-IP_A=10.77.0.1; IP_B=10.77.0.2; PORT=8080; RST_PORT=8081
+PORT=8080; RST_PORT=8081
 WORK=$(mktemp -d /tmp/mbtunnel-interop-zt.XXXXXX)
-PIDS=()
+export ZT_LOG=${ZT_LOG:-${RUST_LOG:-info}} MBT_LOG=${MBT_LOG:-${RUST_LOG:-info}}
 cleanup() {
-  for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  ip netns del "$A" 2>/dev/null || true
-  ip netns del "$B" 2>/dev/null || true
+  topo_cleanup
   if [ "${KEEP:-0}" = 1 ]; then echo "logs kept in $WORK"; else rm -rf "$WORK"; fi
 }
 trap cleanup EXIT
-nsx() { local ns=$1; shift; ip netns exec "$ns" "$@"; }
-get() { nsx "$1" curl -fsS --max-time 3 "$2" 2>/dev/null; }
 
-# --- namespaces, veth, capture in A ----------------------------------------------------------
-for ns in "$A" "$B"; do ip netns add "$ns"; ip -n "$ns" link set lo up; done
-ip link add "$T-va" netns "$A" type veth peer name "$T-vb" netns "$B"
-ip -n "$A" addr add "$IP_A/24" dev "$T-va"; ip -n "$A" link set "$T-va" up
-ip -n "$B" addr add "$IP_B/24" dev "$T-vb"; ip -n "$B" link set "$T-vb" up
-nsx "$A" iptables -t nat -A OUTPUT -m mark --mark 0x539/0xfff -j RETURN
-nsx "$A" iptables -t nat -A OUTPUT -o lo -j RETURN
-nsx "$A" iptables -t nat -A OUTPUT -p tcp -d "$IP_B/32" -j REDIRECT --to-ports 15001
-
-# --- mesh state, CA ------------------------------------------------------------------------------
-mkdir -p "$WORK/ca"
-cp "$ANCHORS/ztunnel-fake-root-cert.pem" "$WORK/ca/ca-cert.pem"
-cp "$ANCHORS/ztunnel-fake-root-key.pem" "$WORK/ca/ca-key.pem"
-cat > "$WORK/zt-workloads.yaml" <<YAML
-workloads:
-- uid: cluster1//v1/Pod/default/client
-  name: client
-  namespace: default
-  serviceAccount: client
-  trustDomain: cluster.local
-  workloadIps: ["$IP_A"]
-  protocol: HBONE
-  node: nodeA
-  network: ""
-  services: {}
-- uid: cluster1//v1/Pod/default/server
-  name: server
-  namespace: default
-  serviceAccount: server
-  trustDomain: cluster.local
-  workloadIps: ["$IP_B"]
-  protocol: HBONE
-  node: nodeB
-  network: ""
-  services: {}
-YAML
-mbt_config() { # node → config path
-  cat > "$WORK/mbt-$1.yaml" <<YAML
-node_name: $1
-trust_domain: cluster.local
-ca_dir: $WORK/ca
-key_algorithm: ecdsa-p256
-transparent: false            # the app is in the proxy's own namespace: dial it from our address
-socket_mark: 0x539
-watch_file: false
-workloads:
-  - {uid: cluster1//v1/Pod/default/client, name: client, namespace: default, service_account: client, ips: [$IP_A], node: nodeA, protocol: HBONE}
-  - {uid: cluster1//v1/Pod/default/server, name: server, namespace: default, service_account: server, ips: [$IP_B], node: nodeB, protocol: HBONE}
-YAML
-  echo "$WORK/mbt-$1.yaml"
-}
+topo_netns_up
+topo_write_mesh
 
 # --- processes -----------------------------------------------------------------------------------
 ip netns exec "$B" "$BIN" tool echo --listen "$IP_B:$PORT" > "$WORK/echo.log" 2>&1 & PIDS+=($!)
@@ -162,26 +107,6 @@ PY
 if [ "$HAVE_PY" = 1 ]; then
   ip netns exec "$B" python3 "$WORK/rst.py" serve "$IP_B" "$RST_PORT" "$WORK/rst-server.log" 2>&1 & PIDS+=($!)
 fi
-
-start_ztunnel() { # ns workload(ns/name/sa) log → pid in ZPID
-  local dir="$WORK/zt-$1"; mkdir -p "$dir"
-  ( cd "$dir" && exec env FAKE_CA=true XDS_ADDRESS= LOCAL_XDS_PATH="$WORK/zt-workloads.yaml" \
-      PROXY_MODE=dedicated PROXY_WORKLOAD_INFO="$2" ENABLE_ORIG_SRC=false PACKET_MARK=1337 \
-      ISTIO_META_DNS_CAPTURE=false RUST_LOG="${ZT_LOG:-${RUST_LOG:-info}}" ip netns exec "$1" "$ZT" ) > "$3" 2>&1 &
-  ZPID=$!; PIDS+=("$ZPID")
-}
-start_mbtunnel() { # ns node log → pid in MPID
-  RUST_LOG="${MBT_LOG:-${RUST_LOG:-info}}" ip netns exec "$1" "$BIN" run --config "$(mbt_config "$2")" > "$3" 2>&1 &
-  MPID=$!; PIDS+=("$MPID")
-}
-wait_ready() { # ns name log
-  for i in $(seq 1 150); do
-    if get "$1" http://127.0.0.1:15021/healthz/ready >/dev/null; then return 0; fi
-    sleep 0.2
-  done
-  echo "  $2 in $1 did not become ready"; tail -n 30 "$3"; return 1
-}
-stop() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
 FAILED=()
 # run_direction name mbtunnel_log ztunnel_log mbtunnel_reporter mbtunnel_ns ztunnel_ns
