@@ -24,6 +24,8 @@ use boring::x509::{X509StoreContextRef, X509VerifyError, X509};
 use tokio::sync::Semaphore;
 use tokio_boring::{SslStream, SslStreamBuilder};
 
+use crate::net::io::Buffered;
+
 /// What TLS runs over: a TCP connection, or an in-memory pipe (same-node HBONE in eBPF mode).
 pub trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> Stream for T {}
@@ -328,7 +330,7 @@ impl TlsProvider {
         &self,
         stream: S,
         local: &Identity,
-    ) -> Result<(SslStream<S>, Identity), TlsError> {
+    ) -> Result<(SslStream<Buffered<S>>, Identity), TlsError> {
         let ctx = self.contexts(local).await?;
         let start = Instant::now();
         let r = self
@@ -349,7 +351,7 @@ impl TlsProvider {
                         })
                     },
                 );
-                let s = SslStreamBuilder::new(ssl, stream)
+                let s = SslStreamBuilder::new(ssl, Buffered::new(stream))
                     .accept()
                     .await
                     .map_err(|e| handshake_error(&e, &refusal))?;
@@ -373,7 +375,7 @@ impl TlsProvider {
         stream: S,
         local: &Identity,
         expected: &Identity,
-    ) -> Result<SslStream<S>, TlsError> {
+    ) -> Result<SslStream<Buffered<S>>, TlsError> {
         let ctx = self.contexts(local).await?;
         let start = Instant::now();
         let r = self
@@ -394,7 +396,7 @@ impl TlsProvider {
                         }
                     })
                 });
-                SslStreamBuilder::new(ssl, stream)
+                SslStreamBuilder::new(ssl, Buffered::new(stream))
                     .connect()
                     .await
                     .map_err(|e| handshake_error(&e, &refusal))

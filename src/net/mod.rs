@@ -3,6 +3,7 @@
 //! namespaces (a thread inside a pod's namespace that makes its sockets). Imports nothing of the
 //! proxy's own.
 
+pub mod io;
 pub mod netns;
 pub mod socket;
 pub mod sys;
