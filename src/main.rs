@@ -646,7 +646,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Redirect(RedirectCmd::Nftables { action, netns }) => {
             rules(Backend::Nftables, action, &netns)
         }
-        Cmd::Run(a) => tokio::runtime::Runtime::new()?.block_on(run(*a)),
+        Cmd::Run(a) => {
+            mbtunnel::net::sys::tune_allocator();
+            tokio::runtime::Runtime::new()?.block_on(run(*a))
+        }
         Cmd::Tool(t) => tokio::runtime::Runtime::new()?.block_on(tool(t)),
     }
 }

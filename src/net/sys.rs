@@ -55,3 +55,21 @@ pub fn bind_address_no_port(s: BorrowedFd<'_>) -> io::Result<bool> {
     }
     Ok(v != 0)
 }
+
+/// Keeps glibc's allocator from returning freed memory to the kernel after every large free.
+///
+/// The byte path allocates and frees buffers of 64–256 KiB per chunk moved (h2 frames, TLS
+/// buffers). With glibc's defaults the top of the heap is trimmed when such a chunk is freed and
+/// the next allocation faults its pages back in: ~16 page faults per 64 KiB moved, measured at
+/// 655k faults in a 5-second 3.6 GB transfer. A 1 MiB mmap threshold keeps these buffers on the
+/// heap; a 16 MiB trim threshold keeps up to that much free memory per arena for reuse.
+/// Other allocators ignore this; it is a no-op outside glibc.
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt takes two integers and changes allocator parameters; it is called before
+    // the runtime starts, and glibc allows it at any time.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 16 << 20);
+    }
+}
