@@ -131,6 +131,11 @@ impl Tunnel {
     pub fn reset(&mut self) {
         self.io.reset();
     }
+
+    /// The `CONNECT` stream itself (for chunked, copy-free I/O).
+    pub fn stream(&mut self) -> &mut H2Stream {
+        &mut self.io
+    }
 }
 
 impl tokio::io::AsyncRead for Tunnel {

@@ -53,22 +53,80 @@ fn io_error(e: h2::Error) -> io::Error {
     }
 }
 
+impl H2Stream {
+    /// The next received bytes as h2 delivered them (no copy); `None` at the peer's END_STREAM.
+    pub fn poll_chunk(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<Option<Bytes>>> {
+        if !self.buf.is_empty() {
+            return Poll::Ready(Ok(Some(std::mem::take(&mut self.buf))));
+        }
+        loop {
+            match ready!(self.recv.poll_data(cx)) {
+                None => return Poll::Ready(Ok(None)),
+                Some(Ok(b)) => {
+                    // The bytes are ours now: let the peer send as many again.
+                    let _ = self.recv.flow_control().release_capacity(b.len());
+                    if !b.is_empty() {
+                        return Poll::Ready(Ok(Some(b)));
+                    }
+                }
+                Some(Err(e)) if e.reason() == Some(Reason::NO_ERROR) => {
+                    return Poll::Ready(Ok(None))
+                }
+                Some(Err(e)) => return Poll::Ready(Err(io_error(e))),
+            }
+        }
+    }
+
+    /// Sends the start of `chunk`, as much as the peer's window allows, without copying it, and
+    /// advances `chunk` past it; returns that length.
+    pub fn poll_send_chunk(
+        &mut self,
+        cx: &mut Context<'_>,
+        chunk: &mut Bytes,
+    ) -> Poll<io::Result<usize>> {
+        if chunk.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let n = ready!(self.poll_send_capacity(cx, chunk.len()))?;
+        self.send.send_data(chunk.split_to(n), false).map_err(io_error)?;
+        Poll::Ready(Ok(n))
+    }
+
+    /// Waits until the peer's window lets us send, and returns how much of `want` we may send.
+    fn poll_send_capacity(&mut self, cx: &mut Context<'_>, want: usize) -> Poll<io::Result<usize>> {
+        if self.shut {
+            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
+        }
+        // A peer reset ends writing at once, even while waiting for window.
+        if let Poll::Ready(r) = self.send.poll_reset(cx) {
+            return Poll::Ready(Err(match r {
+                Ok(reason) => io_error(reason.into()),
+                Err(e) => io_error(e),
+            }));
+        }
+        let want = want.min(MAX_WRITE);
+        while self.send.capacity() == 0 {
+            self.send.reserve_capacity(want);
+            match ready!(self.send.poll_capacity(cx)) {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Poll::Ready(Err(io_error(e))),
+                None => return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
+            }
+        }
+        Poll::Ready(Ok(self.send.capacity().min(want)))
+    }
+}
+
 impl AsyncRead for H2Stream {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        while self.buf.is_empty() {
-            match ready!(self.recv.poll_data(cx)) {
+        if self.buf.is_empty() {
+            match ready!(self.poll_chunk(cx))? {
+                Some(b) => self.buf = b,
                 None => return Poll::Ready(Ok(())),
-                Some(Ok(b)) => {
-                    // The bytes are ours now: let the peer send as many again.
-                    let _ = self.recv.flow_control().release_capacity(b.len());
-                    self.buf = b;
-                }
-                Some(Err(e)) if e.reason() == Some(Reason::NO_ERROR) => return Poll::Ready(Ok(())),
-                Some(Err(e)) => return Poll::Ready(Err(io_error(e))),
             }
         }
         let n = out.remaining().min(self.buf.len());
@@ -87,26 +145,7 @@ impl AsyncWrite for H2Stream {
         if data.is_empty() {
             return Poll::Ready(Ok(0));
         }
-        if self.shut {
-            return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()));
-        }
-        // A peer reset ends writing at once, even while waiting for window.
-        if let Poll::Ready(r) = self.send.poll_reset(cx) {
-            return Poll::Ready(Err(match r {
-                Ok(reason) => io_error(reason.into()),
-                Err(e) => io_error(e),
-            }));
-        }
-        let want = data.len().min(MAX_WRITE);
-        while self.send.capacity() == 0 {
-            self.send.reserve_capacity(want);
-            match ready!(self.send.poll_capacity(cx)) {
-                Some(Ok(_)) => {}
-                Some(Err(e)) => return Poll::Ready(Err(io_error(e))),
-                None => return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into())),
-            }
-        }
-        let n = self.send.capacity().min(want);
+        let n = ready!(self.poll_send_capacity(cx, data.len()))?;
         self.send.send_data(Bytes::copy_from_slice(&data[..n]), false).map_err(io_error)?;
         Poll::Ready(Ok(n))
     }
@@ -174,6 +213,30 @@ mod tests {
         b.write_all(b"done").await.unwrap();
         b.shutdown().await.unwrap();
         assert_eq!(w.await.unwrap(), b"done");
+    }
+
+    #[tokio::test]
+    async fn chunks_cross_without_copies_beyond_the_window_and_end_with_none() {
+        let (mut a, mut b) = pair().await;
+        let data = Bytes::from((0..1_000_000u32).map(|i| (i * 13 % 241) as u8).collect::<Vec<_>>());
+        let d2 = data.clone();
+        let w = tokio::spawn(async move {
+            let mut rest = d2;
+            while !rest.is_empty() {
+                let before = rest.len();
+                let n = std::future::poll_fn(|cx| a.poll_send_chunk(cx, &mut rest)).await.unwrap();
+                assert_eq!(before - n, rest.len(), "the chunk advances by what was sent");
+            }
+            a.shutdown().await.unwrap();
+            a // kept until the reader is done: dropping it would reset the stream
+        });
+        let mut got = Vec::new();
+        while let Some(c) = std::future::poll_fn(|cx| b.poll_chunk(cx)).await.unwrap() {
+            assert!(!c.is_empty(), "no empty chunks");
+            got.extend_from_slice(&c);
+        }
+        drop(w.await.unwrap());
+        assert!(got == data, "bytes differ ({} of {})", got.len(), data.len());
     }
 
     #[tokio::test]

@@ -284,25 +284,32 @@ pub struct Copied {
     pub result: Result<(), String>,
 }
 
-/// One direction of a copy: a buffer, what it holds, and what was written.
+/// One direction of a copy: the chunk in flight, what was written, and how large the next read
+/// may be.
 struct Half {
-    buf: Vec<u8>,
-    pos: usize,
-    cap: usize,
+    /// Where reads from a TCP leg land; each chunk is split off and handed on without a copy.
+    buf: bytes::BytesMut,
+    /// Read and not yet written.
+    chunk: bytes::Bytes,
+    /// Size of the next read: doubles while reads fill it, up to [`MAX_READ`].
+    want: usize,
     written: u64,
     eof: bool,
     unflushed: bool,
     done: bool,
 }
 
-const COPY_BUFFER: usize = 64 * 1024;
+/// First read of a connection, and the floor after it goes idle.
+const MIN_READ: usize = 16 * 1024;
+/// Largest read: one chunk handed to the other leg at once (an h2 DATA frame on HBONE).
+const MAX_READ: usize = 256 * 1024;
 
 impl Half {
     fn new() -> Half {
         Half {
-            buf: Vec::new(),
-            pos: 0,
-            cap: 0,
+            buf: bytes::BytesMut::new(),
+            chunk: bytes::Bytes::new(),
+            want: MIN_READ,
             written: 0,
             eof: false,
             unflushed: false,
@@ -311,56 +318,48 @@ impl Half {
     }
 
     /// Moves bytes from `r` to `w` until `r` ends (then shuts `w` down), an error, or pending.
-    fn poll_copy<R, W>(
+    fn poll_copy<R: Leg + ?Sized, W: Leg + ?Sized>(
         &mut self,
         cx: &mut std::task::Context<'_>,
-        mut r: std::pin::Pin<&mut R>,
-        mut w: std::pin::Pin<&mut W>,
-    ) -> std::task::Poll<std::io::Result<()>>
-    where
-        R: tokio::io::AsyncRead + ?Sized,
-        W: tokio::io::AsyncWrite + ?Sized,
-    {
+        r: &mut R,
+        w: &mut W,
+    ) -> std::task::Poll<std::io::Result<()>> {
         use std::task::{ready, Poll};
         loop {
-            if self.pos == self.cap && !self.eof {
-                if self.buf.is_empty() {
-                    // Allocated on first use: an idle connection holds no buffer.
-                    self.buf = vec![0; COPY_BUFFER];
-                }
-                let mut rb = tokio::io::ReadBuf::new(&mut self.buf);
-                match r.as_mut().poll_read(cx, &mut rb) {
-                    Poll::Ready(Ok(())) => {
-                        let n = rb.filled().len();
-                        if n == 0 {
-                            self.eof = true;
-                        } else {
-                            (self.pos, self.cap) = (0, n);
+            if self.chunk.is_empty() && !self.eof {
+                match r.poll_read_chunk(cx, &mut self.buf, self.want) {
+                    Poll::Ready(Ok(Some(c))) => {
+                        // A read that filled its buffer suggests more is waiting: read more.
+                        if c.len() >= self.want {
+                            self.want = (self.want * 2).min(MAX_READ);
                         }
+                        self.chunk = c;
                     }
+                    Poll::Ready(Ok(None)) => self.eof = true,
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Pending => {
-                        // Nothing more to read now: push out what was written.
+                        // Nothing more to read now: hold no buffer while idle, and push out
+                        // what was written.
+                        self.buf = bytes::BytesMut::new();
                         if self.unflushed {
-                            ready!(w.as_mut().poll_flush(cx))?;
+                            ready!(std::pin::Pin::new(&mut *w).poll_flush(cx))?;
                             self.unflushed = false;
                         }
                         return Poll::Pending;
                     }
                 }
             }
-            while self.pos < self.cap {
-                let n = ready!(w.as_mut().poll_write(cx, &self.buf[self.pos..self.cap]))?;
+            while !self.chunk.is_empty() {
+                let n = ready!(w.poll_write_chunk(cx, &mut self.chunk))?;
                 if n == 0 {
                     return Poll::Ready(Err(std::io::ErrorKind::WriteZero.into()));
                 }
-                self.pos += n;
                 self.written += n as u64;
                 self.unflushed = true;
             }
             if self.eof {
-                ready!(w.as_mut().poll_flush(cx))?;
-                ready!(w.as_mut().poll_shutdown(cx))?;
+                ready!(std::pin::Pin::new(&mut *w).poll_flush(cx))?;
+                ready!(std::pin::Pin::new(&mut *w).poll_shutdown(cx))?;
                 return Poll::Ready(Ok(()));
             }
         }
@@ -377,10 +376,9 @@ pub async fn copy_both<A, B>(
     stop: impl std::future::Future<Output = String>,
 ) -> Copied
 where
-    A: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
-    B: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + ?Sized,
+    A: Leg + ?Sized,
+    B: Leg + ?Sized,
 {
-    use std::pin::Pin;
     use std::task::Poll;
     let (mut ab, mut ba) = (Half::new(), Half::new());
     let mut stop = std::pin::pin!(stop);
@@ -389,14 +387,14 @@ where
             return Poll::Ready(Err(reason));
         }
         if !ab.done {
-            match ab.poll_copy(cx, Pin::new(&mut *a), Pin::new(&mut *b)) {
+            match ab.poll_copy(cx, &mut *a, &mut *b) {
                 Poll::Ready(Ok(())) => ab.done = true,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e.to_string())),
                 Poll::Pending => {}
             }
         }
         if !ba.done {
-            match ba.poll_copy(cx, Pin::new(&mut *b), Pin::new(&mut *a)) {
+            match ba.poll_copy(cx, &mut *b, &mut *a) {
                 Poll::Ready(Ok(())) => ba.done = true,
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e.to_string())),
                 Poll::Pending => {}
@@ -421,8 +419,40 @@ pub fn reset_on_close(s: &tokio::net::TcpStream) {
 /// One side of a relayed connection, which can be ended abnormally so that its far end learns
 /// the connection was cut rather than finished: RST instead of FIN on TCP,
 /// `RST_STREAM(CONNECT_ERROR)` instead of END_STREAM on an HBONE stream.
+///
+/// Bytes move between legs as [`Bytes`](bytes::Bytes) chunks, so an HBONE leg hands h2's
+/// received frames to the socket, and the socket's reads to h2, without copying them. The
+/// provided methods serve any byte stream.
 pub trait Leg: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin {
     fn abort(&mut self);
+
+    /// The next bytes this leg received, read into `buf` (at most `want` of them) unless the
+    /// leg already holds them; `None` when the peer has finished.
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut bytes::BytesMut,
+        want: usize,
+    ) -> std::task::Poll<std::io::Result<Option<bytes::Bytes>>> {
+        use std::task::ready;
+        buf.clear();
+        buf.reserve(want);
+        // Read no more than `want` even when the buffer kept a larger capacity.
+        let mut limited = bytes::BufMut::limit(&mut *buf, want);
+        let n = ready!(tokio_util::io::poll_read_buf(std::pin::Pin::new(self), cx, &mut limited))?;
+        std::task::Poll::Ready(Ok((n > 0).then(|| buf.split().freeze())))
+    }
+
+    /// Writes the start of `chunk` and advances it past what was written; returns that length.
+    fn poll_write_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        chunk: &mut bytes::Bytes,
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let n = std::task::ready!(std::pin::Pin::new(self).poll_write(cx, chunk))?;
+        bytes::Buf::advance(chunk, n);
+        std::task::Poll::Ready(Ok(n))
+    }
 }
 
 impl Leg for tokio::net::TcpStream {
@@ -435,11 +465,45 @@ impl Leg for crate::hbone::Tunnel {
     fn abort(&mut self) {
         self.reset();
     }
+
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        _: &mut bytes::BytesMut,
+        _: usize,
+    ) -> std::task::Poll<std::io::Result<Option<bytes::Bytes>>> {
+        self.stream().poll_chunk(cx)
+    }
+
+    fn poll_write_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        chunk: &mut bytes::Bytes,
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.stream().poll_send_chunk(cx, chunk)
+    }
 }
 
 impl Leg for crate::hbone::H2Stream {
     fn abort(&mut self) {
         self.reset();
+    }
+
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        _: &mut bytes::BytesMut,
+        _: usize,
+    ) -> std::task::Poll<std::io::Result<Option<bytes::Bytes>>> {
+        self.poll_chunk(cx)
+    }
+
+    fn poll_write_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        chunk: &mut bytes::Bytes,
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        self.poll_send_chunk(cx, chunk)
     }
 }
 
