@@ -155,7 +155,8 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     tracing::info!(?limits, "connection limits");
     let tls = Arc::new(
         TlsProvider::new(store.clone(), signer.clone(), cfg.trust_domain.clone(), metrics.clone())
-            .with_limits(&limits),
+            .with_limits(&limits)
+            .with_resumption(cfg.tls_resumption),
     );
     let pool = Arc::new(Pool::new(
         tls.clone(),

@@ -142,6 +142,9 @@ pub struct Config {
     /// Streams per pooled HBONE connection before the pool opens another (at most 100, the
     /// stream limit HBONE servers announce).
     pub pool_max_streams: usize,
+    /// TLS 1.3 session resumption between mbtunnel peers (PSK with ECDHE, tickets at most an
+    /// hour and never past the authenticating certificate; see `tls::resume`).
+    pub tls_resumption: bool,
     pub log_format: LogFormat,
     pub log_level: String,
     /// `auto`, `ifma` or `scalar`.
@@ -243,6 +246,7 @@ impl Default for Config {
             max_concurrent_handshakes: 0,
             pool_idle_timeout_secs: 300,
             pool_max_streams: 100,
+            tls_resumption: true,
             log_format: LogFormat::Text,
             log_level: "info".into(),
             signer_backend: "auto".into(),

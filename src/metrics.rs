@@ -188,6 +188,8 @@ pub struct HandshakeLabels {
     pub side: &'static str,
     /// `success` or `failure`.
     pub result: &'static str,
+    /// `resumed` (TLS 1.3 resumption between mbtunnel peers) or `full` (a failure is `full`).
+    pub kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

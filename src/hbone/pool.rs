@@ -188,13 +188,13 @@ impl Pool {
         if let Some(pipe) =
             self.local.get().and_then(|f| f(key.dst, SocketAddr::new(key.src_ip, 0)))
         {
-            let tls = self.tls.connect(pipe, &key.src_id, &key.dst_id).await?;
+            let tls = self.tls.connect_to(pipe, &key.src_id, &key.dst_id, Some(key.dst)).await?;
             return self.h2(key, client::handshake(tls, key.dst, self.metrics.clone())).await;
         }
         let source = self.transparent.then_some(key.src_ip);
         let opts = DialOpts { mark: self.mark, source, netns, timeout: self.limits.dial_timeout };
         let tcp = dial(key.dst, opts).await.map_err(|e| HboneError::Connect(key.dst, e))?;
-        let tls = self.tls.connect(tcp, &key.src_id, &key.dst_id).await?;
+        let tls = self.tls.connect_to(tcp, &key.src_id, &key.dst_id, Some(key.dst)).await?;
         self.h2(key, client::handshake(tls, key.dst, self.metrics.clone())).await
     }
 

@@ -9,9 +9,15 @@
 //! per side, later ones wait in arrival order. A failure carries its real reason (timeout, peer
 //! closed, bad record, alert received, no certificate, wrong identity…), and a refused peer
 //! certificate is answered with the `certificate_unknown` alert.
-#![forbid(unsafe_code)]
+//!
+//! With `tls_resumption` on, mbtunnel peers resume TLS 1.3 sessions (PSK with ECDHE): see
+//! [`resume`] for what keeps that as strict as a full handshake.
+#![deny(unsafe_code)]
+
+pub mod resume;
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -20,7 +26,7 @@ use boring::ssl::{
     SslOptions, SslSessionCacheMode, SslVerifyMode, SslVersion,
 };
 use boring::x509::store::X509StoreBuilder;
-use boring::x509::{X509StoreContextRef, X509VerifyError, X509};
+use boring::x509::{X509StoreContext, X509StoreContextRef, X509VerifyError, X509};
 use tokio::sync::Semaphore;
 use tokio_boring::{SslStream, SslStreamBuilder};
 
@@ -149,6 +155,10 @@ struct Contexts {
     serial: String,
     acceptor: SslContext,
     connector: SslContext,
+    /// When they were built (their ticket keys are as old).
+    built: Instant,
+    /// Sessions the connector may resume, by destination (empty with resumption off).
+    sessions: Arc<resume::ClientSessions>,
     /// Certificates in the contexts' default stores (where a system trust bundle would go).
     default_store_objects: usize,
 }
@@ -161,6 +171,7 @@ pub struct TlsProvider {
     metrics: Arc<Metrics>,
     cache: Mutex<HashMap<Identity, Arc<Contexts>>>,
     inline_signing: bool,
+    resumption: bool,
     handshake_timeout: Duration,
     /// One gate per side: handshakes computing at once, admitted in arrival order.
     server_gate: Semaphore,
@@ -181,6 +192,7 @@ impl TlsProvider {
             metrics,
             cache: Mutex::new(HashMap::new()),
             inline_signing: false,
+            resumption: false,
             handshake_timeout: crate::net::Limits::default().handshake_timeout,
             server_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
             client_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
@@ -193,6 +205,25 @@ impl TlsProvider {
         self.server_gate = Semaphore::new(limits.max_concurrent_handshakes.max(1));
         self.client_gate = Semaphore::new(limits.max_concurrent_handshakes.max(1));
         self
+    }
+
+    /// TLS 1.3 resumption between mbtunnel peers (off unless asked for; `tls_resumption` in the
+    /// config turns it on for the proxy).
+    pub fn with_resumption(mut self, on: bool) -> Self {
+        self.resumption = on;
+        self
+    }
+
+    /// Client sessions kept for `id`'s certificate (`None` before its contexts are built).
+    #[doc(hidden)]
+    pub fn cached_sessions(&self, id: &Identity) -> Option<usize> {
+        Some(self.cache.lock().unwrap().get(id)?.sessions.len())
+    }
+
+    /// The longest ticket lifetime a server gave `id`'s kept sessions (tests).
+    #[doc(hidden)]
+    pub fn longest_ticket_lifetime(&self, id: &Identity) -> Option<Duration> {
+        self.cache.lock().unwrap().get(id)?.sessions.longest_ticket_lifetime()
     }
 
     /// Benchmark baseline only: sign inside BoringSSL on the handshake's own thread instead of
@@ -220,15 +251,20 @@ impl TlsProvider {
     async fn contexts(&self, id: &Identity) -> Result<Arc<Contexts>, TlsError> {
         let bundle = self.store.fetch(id).await.map_err(|e| TlsError::Cert(e.to_string()))?;
         if let Some(c) = self.cache.lock().unwrap().get(id) {
-            if c.serial == bundle.serial {
+            // With tickets on, contexts are rebuilt hourly so that no ticket key outlives that.
+            let fresh = !self.resumption || c.built.elapsed() < resume::TICKET_KEY_ROTATION;
+            if c.serial == bundle.serial && fresh {
                 return Ok(c.clone());
             }
         }
         let mut n = 0;
+        let sessions = Arc::new(resume::ClientSessions::default());
         let c = Arc::new(Contexts {
             serial: bundle.serial.clone(),
             acceptor: self.build_acceptor(&bundle, &mut n)?,
-            connector: self.build_connector(&bundle, &mut n)?,
+            connector: self.build_connector(&bundle, &sessions, &mut n)?,
+            built: Instant::now(),
+            sessions,
             default_store_objects: n,
         });
         self.cache.lock().unwrap().insert(id.clone(), c.clone());
@@ -243,8 +279,9 @@ impl TlsProvider {
         Ok(b.build())
     }
 
-    /// Settings both sides share: TLS 1.3 only, no resumption, the certificate, its key through
-    /// the signer, the mesh root for verifying the peer, and a log line for alerts.
+    /// Settings both sides share: TLS 1.3 only, tickets only with resumption on, the
+    /// certificate, its key through the signer, the mesh root for verifying the peer, and a log
+    /// line for alerts.
     fn common(
         &self,
         bundle: &CertBundle,
@@ -253,7 +290,11 @@ impl TlsProvider {
         let mut b = SslContextBuilder::new(SslMethod::tls())?;
         b.set_min_proto_version(Some(SslVersion::TLS1_3))?;
         b.set_max_proto_version(Some(SslVersion::TLS1_3))?;
-        b.set_options(SslOptions::NO_TICKET | SslOptions::CIPHER_SERVER_PREFERENCE);
+        if self.resumption {
+            b.set_options(SslOptions::CIPHER_SERVER_PREFERENCE);
+        } else {
+            b.set_options(SslOptions::NO_TICKET | SslOptions::CIPHER_SERVER_PREFERENCE);
+        }
         b.set_session_cache_mode(SslSessionCacheMode::OFF);
         b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
         for c in &bundle.chain_der {
@@ -279,15 +320,47 @@ impl TlsProvider {
                 .ok_or(boring::ssl::AlpnError::ALERT_FATAL)
         });
         b.set_verify(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT);
+        if self.resumption {
+            // Tickets are bound to this trust domain and certificate.
+            let sid = boring::sha::sha256(format!("mbtunnel {}", self.trust_domain).as_bytes());
+            resume::server_context(&mut b, &sid)?;
+        }
         let ctx = b.build();
         *n += store_len(&ctx);
         Ok(ctx)
     }
 
-    fn build_connector(&self, bundle: &CertBundle, n: &mut usize) -> Result<SslContext, TlsError> {
+    fn build_connector(
+        &self,
+        bundle: &CertBundle,
+        sessions: &Arc<resume::ClientSessions>,
+        n: &mut usize,
+    ) -> Result<SslContext, TlsError> {
         let mut b = self.common(bundle, crate::signer::Budget::Outbound)?;
         b.set_alpn_protos(b"\x02h2")?;
         b.set_verify(SslVerifyMode::PEER);
+        if self.resumption {
+            b.set_session_cache_mode(
+                SslSessionCacheMode::CLIENT | SslSessionCacheMode::NO_INTERNAL,
+            );
+            let sessions = Arc::downgrade(sessions);
+            let own_not_after = bundle.not_after;
+            b.set_new_session_callback(move |ssl, session| {
+                let (Some(sessions), Some(key)) = (sessions.upgrade(), resume::key_of(ssl)) else {
+                    return;
+                };
+                let server_left = ssl
+                    .peer_certificate()
+                    .and_then(|c| c.to_der().ok())
+                    .map(|d| resume::remaining_of_der(&d))
+                    .unwrap_or_default();
+                let valid_for = Duration::from_secs(u64::from(session.timeout()))
+                    .min(server_left)
+                    .min(resume::remaining(own_not_after))
+                    .min(resume::MAX_TICKET_LIFETIME);
+                sessions.put(key.clone(), session, valid_for);
+            });
+        }
         let ctx = b.build();
         *n += store_len(&ctx);
         Ok(ctx)
@@ -306,8 +379,13 @@ impl TlsProvider {
         self.contexts(id).await.map(|_| ())
     }
 
-    fn record(&self, side: &'static str, ok: bool, start: Instant) {
-        let l = HandshakeLabels { side, result: if ok { "success" } else { "failure" } };
+    /// Counts a handshake; `resumed` only for a successful one.
+    fn record(&self, side: &'static str, ok: bool, resumed: bool, start: Instant) {
+        let l = HandshakeLabels {
+            side,
+            result: if ok { "success" } else { "failure" },
+            kind: if ok && resumed { "resumed" } else { "full" },
+        };
         self.metrics.handshakes.get_or_create(&l).inc();
         self.metrics.handshake_seconds.get_or_create(&l).observe(start.elapsed().as_secs_f64());
     }
@@ -339,16 +417,15 @@ impl TlsProvider {
                 let refusal = Refusal::default();
                 let td = self.trust_domain.clone();
                 let slot = refusal.clone();
+                let tickets = self.resumption;
                 ssl.set_verify_callback(
                     SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT,
                     move |ok, ctx| {
-                        check_leaf(ok, ctx, &slot, |id| {
-                            if id.trust_domain == td {
-                                Ok(())
-                            } else {
-                                Err(TlsError::WrongTrustDomain(id.to_string(), td.clone()))
-                            }
-                        })
+                        let ok = check_leaf(ok, ctx, &slot, |id| in_trust_domain(id, &td));
+                        if ok && tickets && ctx.error_depth() == 0 {
+                            cap_ticket_lifetime(ctx);
+                        }
+                        ok
                     },
                 );
                 let s = SslStreamBuilder::new(ssl, Buffered::new(stream))
@@ -362,25 +439,56 @@ impl TlsProvider {
                     .to_der()
                     .map_err(TlsError::from)?;
                 let peer = peer_identity_of(&der)?;
+                if s.ssl().session_reused() {
+                    // No certificate was verified in this handshake: the session's must still
+                    // pass the same checks.
+                    in_trust_domain(&peer, &self.trust_domain)?;
+                    still_valid(&der)?;
+                }
                 Ok((s, peer))
             })
             .await;
-        self.record("server", r.is_ok(), start);
+        let resumed = r.as_ref().is_ok_and(|(s, _)| s.ssl().session_reused());
+        if let Ok((s, peer)) = &r {
+            log_done("server", s.ssl(), peer);
+        }
+        self.record("server", r.is_ok(), resumed, start);
         r
     }
 
     /// Client side: handshake as `local`, requiring the server to be exactly `expected`.
+    /// Never resumes (see [`TlsProvider::connect_to`]).
     pub async fn connect<S: Stream>(
         &self,
         stream: S,
         local: &Identity,
         expected: &Identity,
     ) -> Result<SslStream<Buffered<S>>, TlsError> {
+        self.connect_to(stream, local, expected, None).await
+    }
+
+    /// Client side, to the server at `dest`: with resumption on, offers a session from an
+    /// earlier connection to the same `dest` and `expected` identity, and keeps the tickets this
+    /// connection receives for the next one.
+    pub async fn connect_to<S: Stream>(
+        &self,
+        stream: S,
+        local: &Identity,
+        expected: &Identity,
+        dest: Option<SocketAddr>,
+    ) -> Result<SslStream<Buffered<S>>, TlsError> {
         let ctx = self.contexts(local).await?;
         let start = Instant::now();
         let r = self
             .bounded(&self.client_gate, async {
                 let mut ssl = Ssl::new(&ctx.connector)?;
+                if let (true, Some(addr)) = (self.resumption, dest) {
+                    let key = resume::SessionKey { expected: expected.clone(), addr };
+                    if let Some(session) = ctx.sessions.take(&key) {
+                        resume::offer(&mut ssl, &session)?;
+                    }
+                    resume::tag(&mut ssl, key);
+                }
                 let refusal = Refusal::default();
                 let want = expected.clone();
                 let slot = refusal.clone();
@@ -396,14 +504,75 @@ impl TlsProvider {
                         }
                     })
                 });
-                SslStreamBuilder::new(ssl, Buffered::new(stream))
+                let s = SslStreamBuilder::new(ssl, Buffered::new(stream))
                     .connect()
                     .await
-                    .map_err(|e| handshake_error(&e, &refusal))
+                    .map_err(|e| handshake_error(&e, &refusal))?;
+                if s.ssl().session_reused() {
+                    // The server proved it holds the session's secret, not a certificate: the
+                    // session's certificate must still be the expected identity, and valid.
+                    let der = s
+                        .ssl()
+                        .peer_certificate()
+                        .ok_or(TlsError::NoPeerCert)?
+                        .to_der()
+                        .map_err(TlsError::from)?;
+                    let got = peer_identity_of(&der)?;
+                    if got != *expected {
+                        return Err(TlsError::WrongIdentity {
+                            got: got.to_string(),
+                            want: expected.to_string(),
+                        });
+                    }
+                    still_valid(&der)?;
+                }
+                Ok(s)
             })
             .await;
-        self.record("client", r.is_ok(), start);
+        let resumed = r.as_ref().is_ok_and(|s| s.ssl().session_reused());
+        if let Ok(s) = &r {
+            log_done("client", s.ssl(), expected);
+        }
+        self.record("client", r.is_ok(), resumed, start);
         r
+    }
+}
+
+/// What a completed handshake negotiated, at debug level.
+fn log_done(side: &'static str, ssl: &boring::ssl::SslRef, peer: &Identity) {
+    tracing::debug!(
+        side,
+        %peer,
+        group = ssl.curve_name().unwrap_or("none"),
+        cipher = ssl.current_cipher().map(|c| c.name()).unwrap_or("none"),
+        resumed = ssl.session_reused(),
+        "TLS handshake complete"
+    );
+}
+
+fn in_trust_domain(id: &Identity, td: &str) -> Result<(), TlsError> {
+    if id.trust_domain == td {
+        Ok(())
+    } else {
+        Err(TlsError::WrongTrustDomain(id.to_string(), td.to_string()))
+    }
+}
+
+/// A resumed session's certificate must not have expired since it was verified.
+fn still_valid(der: &[u8]) -> Result<(), TlsError> {
+    if resume::remaining_of_der(der).is_zero() {
+        return Err(TlsError::Untrusted("the resumed session's certificate has expired".into()));
+    }
+    Ok(())
+}
+
+/// While verifying the client's leaf: tickets for this session live no longer than it.
+fn cap_ticket_lifetime(ctx: &X509StoreContextRef) {
+    let left =
+        ctx.current_cert().and_then(|c| c.to_der().ok()).map(|d| resume::remaining_of_der(&d));
+    let ssl = X509StoreContext::ssl_idx().ok().and_then(|i| ctx.ex_data(i));
+    if let (Some(left), Some(ssl)) = (left, ssl) {
+        resume::cap_lifetime(ssl, left);
     }
 }
 

@@ -1,0 +1,193 @@
+//! TLS 1.3 session resumption between mbtunnel peers (`tls_resumption`, on by default).
+//!
+//! What keeps it as safe as a full handshake:
+//! - Only PSK with (EC)DHE: BoringSSL sends tickets only to clients that offer `psk_dhe_ke` and
+//!   never resumes without a fresh key exchange, so forward secrecy holds. No 0-RTT data.
+//! - Ticket keys are BoringSSL's own random per-context keys; mbtunnel rebuilds its contexts every
+//!   [`TICKET_KEY_ROTATION`], so no ticket key lives longer than that, and a new certificate (a
+//!   new context) ends every ticket issued under the old one.
+//! - A ticket's lifetime is at most [`MAX_TICKET_LIFETIME`] and at most the remaining lifetime of
+//!   the client certificate that authenticated the session (set while verifying it,
+//!   [`cap_lifetime`]); the client keeps a session no longer than the ticket's lifetime, the
+//!   server certificate's remaining lifetime and its own certificate's.
+//! - A resumed session's peer identity is checked again, exactly as after a full handshake:
+//!   the client requires the expected destination identity, the server its trust domain (and
+//!   authorization runs on the identity as for every connection).
+//! - The client offers a session only to the address and expected identity it came from, and
+//!   uses each ticket once.
+//!
+//! ztunnel neither sends nor uses tickets, so interoperability is unchanged: a ztunnel client
+//! ignores our tickets, a ztunnel server sends none.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant, SystemTime};
+
+use boring::ex_data::Index;
+use boring::ssl::{Ssl, SslContextBuilder, SslRef, SslSession};
+
+use crate::identity::Identity;
+
+/// Contexts (and with them BoringSSL's ticket keys) are rebuilt at least this often.
+pub const TICKET_KEY_ROTATION: Duration = Duration::from_secs(3600);
+/// The longest a ticket is valid.
+pub const MAX_TICKET_LIFETIME: Duration = Duration::from_secs(3600);
+/// Sessions the client keeps per destination (BoringSSL's server sends two per connection).
+const PER_DESTINATION: usize = 2;
+/// Destinations the client keeps sessions for, per local certificate.
+const MAX_DESTINATIONS: usize = 4096;
+
+/// Where a client session may be offered: the expected server identity at one address.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SessionKey {
+    pub expected: Identity,
+    pub addr: SocketAddr,
+}
+
+/// The per-connection slot telling the new-session callback which key a ticket belongs to.
+fn key_index() -> Index<Ssl, SessionKey> {
+    static INDEX: OnceLock<Index<Ssl, SessionKey>> = OnceLock::new();
+    *INDEX.get_or_init(|| Ssl::new_ex_index().expect("SSL ex_data index"))
+}
+
+/// Server side: tickets on, each valid at most [`MAX_TICKET_LIFETIME`], stateless (no session
+/// cache), bound to `sid_ctx`.
+pub fn server_context(
+    b: &mut SslContextBuilder,
+    sid_ctx: &[u8],
+) -> Result<(), boring::error::ErrorStack> {
+    b.set_session_id_context(sid_ctx)?;
+    // SAFETY: `b` owns a valid SSL_CTX; the call stores an integer in it.
+    unsafe {
+        boring_sys::SSL_CTX_set_session_psk_dhe_timeout(
+            b.as_ptr(),
+            MAX_TICKET_LIFETIME.as_secs() as u32,
+        );
+    }
+    Ok(())
+}
+
+/// Lowers the lifetime of the session being negotiated on `ssl` (and of the tickets it will be
+/// sent in) to `remaining`, if that is shorter. Called while verifying the peer's certificate.
+pub fn cap_lifetime(ssl: &SslRef, remaining: Duration) {
+    let Some(session) = ssl.session() else { return };
+    let secs = remaining.as_secs().min(u64::from(u32::MAX)) as u32;
+    if secs < session.timeout() {
+        // SAFETY: during a full handshake `SSL_get_session` is the handshake's own new session,
+        // which no other connection holds yet; setting its timeouts writes two integers.
+        unsafe {
+            boring_sys::SSL_SESSION_set_timeout(
+                foreign_types::ForeignTypeRef::as_ptr(session),
+                secs,
+            );
+        }
+    }
+}
+
+/// Marks `ssl` as a connection to `key`, so tickets it receives are kept under `key`.
+pub fn tag(ssl: &mut SslRef, key: SessionKey) {
+    ssl.set_ex_data(key_index(), key);
+}
+
+/// The key a connection was tagged with.
+pub fn key_of(ssl: &SslRef) -> Option<&SessionKey> {
+    ssl.ex_data(key_index())
+}
+
+/// Offers `session` on `ssl`.
+///
+/// `session` must come from the same context as `ssl`: the cache holding it lives in that
+/// context's [`super::Contexts`].
+pub fn offer(ssl: &mut SslRef, session: &SslSession) -> Result<(), boring::error::ErrorStack> {
+    // SAFETY: the session was created by a connection of the same SSL_CTX (see above), which is
+    // what `SSL_set_session` requires.
+    unsafe { ssl.set_session(session) }
+}
+
+struct Cached {
+    session: SslSession,
+    expires: Instant,
+    /// The lifetime the server gave the ticket.
+    ticket_lifetime: Duration,
+}
+
+/// Client sessions of one local certificate, by destination; each is used once.
+#[derive(Default)]
+pub struct ClientSessions {
+    map: Mutex<HashMap<SessionKey, Vec<Cached>>>,
+}
+
+impl ClientSessions {
+    /// A live session for `key`, removed from the cache.
+    pub fn take(&self, key: &SessionKey) -> Option<SslSession> {
+        let mut map = self.map.lock().unwrap();
+        let list = map.get_mut(key)?;
+        let now = Instant::now();
+        list.retain(|c| c.expires > now);
+        let c = list.pop();
+        if list.is_empty() {
+            map.remove(key);
+        }
+        c.map(|c| c.session)
+    }
+
+    /// Keeps `session` for `key` until `valid_for` from now.
+    pub fn put(&self, key: SessionKey, session: SslSession, valid_for: Duration) {
+        if valid_for.is_zero() {
+            return;
+        }
+        let now = Instant::now();
+        let mut map = self.map.lock().unwrap();
+        if map.len() >= MAX_DESTINATIONS && !map.contains_key(&key) {
+            map.retain(|_, l| l.iter().any(|c| c.expires > now));
+            if map.len() >= MAX_DESTINATIONS {
+                // Still full of live sessions: forget one destination (the next connection
+                // there does a full handshake).
+                let victim = map.keys().next().cloned();
+                victim.map(|k| map.remove(&k));
+            }
+        }
+        let list = map.entry(key).or_default();
+        list.retain(|c| c.expires > now);
+        if list.len() >= PER_DESTINATION {
+            list.remove(0);
+        }
+        let ticket_lifetime = Duration::from_secs(u64::from(session.timeout()));
+        list.push(Cached { session, expires: now + valid_for, ticket_lifetime });
+    }
+
+    /// Sessions kept now (tests, config dump).
+    pub fn len(&self) -> usize {
+        self.map.lock().unwrap().values().map(Vec::len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The longest lifetime a server gave a ticket kept now (tests).
+    pub fn longest_ticket_lifetime(&self) -> Option<Duration> {
+        let map = self.map.lock().unwrap();
+        map.values().flatten().map(|c| c.ticket_lifetime).max()
+    }
+}
+
+/// Time left until `not_after` (zero when past).
+pub fn remaining(not_after: SystemTime) -> Duration {
+    not_after.duration_since(SystemTime::now()).unwrap_or_default()
+}
+
+/// Time left on a DER certificate (zero when expired or unreadable).
+pub fn remaining_of_der(der: &[u8]) -> Duration {
+    use x509_parser::prelude::*;
+    let Ok((_, cert)) = X509Certificate::from_der(der) else { return Duration::ZERO };
+    if !cert.validity().is_valid() {
+        return Duration::ZERO;
+    }
+    cert.validity()
+        .time_to_expiration()
+        .and_then(|d| Duration::try_from(d).ok())
+        .unwrap_or_default()
+}

@@ -1,0 +1,181 @@
+//! TLS 1.3 resumption between mbtunnel peers: what is resumed, what never is, and the bounds on
+//! tickets. Two `TlsProvider`s on loopback, certificates from one dev CA.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{metric, temp_dir};
+use mbtunnel::config::KeyAlgorithm;
+use mbtunnel::identity::ca::DevCa;
+use mbtunnel::identity::store::CertStore;
+use mbtunnel::identity::Identity;
+use mbtunnel::metrics::Metrics;
+use mbtunnel::signer::Signer;
+use mbtunnel::tls::TlsProvider;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const SERVER: &str = "spiffe://cluster.local/ns/default/sa/server";
+const CLIENT: &str = "spiffe://cluster.local/ns/default/sa/client";
+
+struct Side {
+    tls: Arc<TlsProvider>,
+    store: Arc<CertStore>,
+    registry: Arc<Registry>,
+}
+
+impl Side {
+    fn new(ca_dir: &std::path::Path, lifetime: Duration, resumption: bool) -> Side {
+        let ca = DevCa::load_or_create(ca_dir, "cluster.local").unwrap();
+        let store = Arc::new(CertStore::new(ca, KeyAlgorithm::EcdsaP256, lifetime));
+        let mut reg = Registry::default();
+        let metrics = Arc::new(Metrics::new(&mut reg));
+        let signer =
+            Signer::start(mbtunnel::signer::SignerConfig { threads: 1, ..Default::default() });
+        let tls = TlsProvider::new(store.clone(), signer, "cluster.local".into(), metrics)
+            .with_resumption(resumption);
+        Side { tls: Arc::new(tls), store, registry: Arc::new(reg) }
+    }
+
+    fn metrics(&self) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &self.registry).unwrap();
+        s
+    }
+
+    fn handshakes(&self, side: &str, kind: &str) -> f64 {
+        let want = [format!("side=\"{side}\""), format!("kind=\"{kind}\""), "success".into()];
+        let want: Vec<&str> = want.iter().map(String::as_str).collect();
+        metric(&self.metrics(), "mbtunnel_tls_handshakes_total", &want).unwrap_or(0.0)
+    }
+}
+
+/// A TLS server as `SERVER`: sends one byte after each handshake (the tickets go before it),
+/// then waits for the client to close.
+async fn serve(server: &Side) -> SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let tls = server.tls.clone();
+    tokio::spawn(async move {
+        let me: Identity = SERVER.parse().unwrap();
+        loop {
+            let (tcp, _) = l.accept().await.unwrap();
+            let (tls, me) = (tls.clone(), me.clone());
+            tokio::spawn(async move {
+                if let Ok((mut s, _peer)) = tls.accept(tcp, &me).await {
+                    let _ = s.write_all(b"!").await;
+                    let _ = s.flush().await;
+                    let mut rest = Vec::new();
+                    let _ = s.read_to_end(&mut rest).await;
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// One connection from `client` to `addr` expecting `expected`; whether it resumed.
+async fn once(client: &Side, addr: SocketAddr, expected: &str) -> Result<bool, String> {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let me: Identity = CLIENT.parse().unwrap();
+    let want: Identity = expected.parse().unwrap();
+    let mut s = client.tls.connect_to(tcp, &me, &want, Some(addr)).await.map_err(|e| {
+        assert_eq!(e.reason(), "tls_wrong_identity", "{e}");
+        e.to_string()
+    })?;
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b).await.unwrap();
+    let resumed = s.ssl().session_reused();
+    let _ = s.shutdown().await;
+    Ok(resumed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_connection_resumes_and_is_counted_and_rechecked() {
+    let dir = temp_dir("resume1");
+    let server = Side::new(&dir, Duration::from_secs(7200), true);
+    let client = Side::new(&dir, Duration::from_secs(7200), true);
+    let addr = serve(&server).await;
+    let me: Identity = CLIENT.parse().unwrap();
+
+    assert_eq!(once(&client, addr, SERVER).await, Ok(false), "the first handshake is full");
+    assert!(client.tls.cached_sessions(&me).unwrap() >= 1, "the server's tickets were kept");
+    let hint = client.tls.longest_ticket_lifetime(&me).unwrap();
+    assert!(hint <= Duration::from_secs(3600) && hint > Duration::from_secs(3000), "{hint:?}");
+
+    assert_eq!(once(&client, addr, SERVER).await, Ok(true), "the second one resumes");
+    assert_eq!(client.handshakes("client", "resumed"), 1.0, "{}", client.metrics());
+    assert_eq!(server.handshakes("server", "resumed"), 1.0, "{}", server.metrics());
+    assert_eq!(server.handshakes("server", "full"), 1.0, "{}", server.metrics());
+
+    // A session is offered only for the identity it was made with: expecting another identity
+    // at the same address is a full handshake, refused on the certificate.
+    let other = "spiffe://cluster.local/ns/default/sa/other";
+    assert!(once(&client, addr, other).await.is_err(), "the server is not `other`");
+    assert_eq!(server.handshakes("server", "resumed"), 1.0, "{}", server.metrics());
+
+    // `connect` (no destination) never offers a session.
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let s = client.tls.connect(tcp, &me, &SERVER.parse().unwrap()).await.unwrap();
+    assert!(!s.ssl().session_reused());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_server_certificate_ends_its_tickets() {
+    let dir = temp_dir("resume2");
+    let server = Side::new(&dir, Duration::from_secs(7200), true);
+    let client = Side::new(&dir, Duration::from_secs(7200), true);
+    let addr = serve(&server).await;
+    assert_eq!(once(&client, addr, SERVER).await, Ok(false));
+    assert_eq!(once(&client, addr, SERVER).await, Ok(true));
+    server.store.renew(&SERVER.parse().unwrap()).await.unwrap();
+    // The client still holds a ticket from the old context; the server cannot open it.
+    assert_eq!(once(&client, addr, SERVER).await, Ok(false), "renewal forces a full handshake");
+    assert_eq!(once(&client, addr, SERVER).await, Ok(true), "and its tickets resume");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tickets_live_no_longer_than_the_client_certificate() {
+    let dir = temp_dir("resume3");
+    let server = Side::new(&dir, Duration::from_secs(7200), true);
+    // The client's certificate expires in 5 minutes: the server must not give it a ticket for
+    // longer (the client also caps its own use, which this does not look at).
+    let client = Side::new(&dir, Duration::from_secs(300), true);
+    let addr = serve(&server).await;
+    assert_eq!(once(&client, addr, SERVER).await, Ok(false));
+    let me: Identity = CLIENT.parse().unwrap();
+    let hint = client.tls.longest_ticket_lifetime(&me).expect("a ticket");
+    assert!(hint <= Duration::from_secs(300), "ticket lifetime {hint:?} outlives the certificate");
+    assert!(hint >= Duration::from_secs(200), "{hint:?}");
+    assert_eq!(once(&client, addr, SERVER).await, Ok(true));
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn off_on_either_side_means_full_handshakes() {
+    let dir = temp_dir("resume4");
+    let me: Identity = CLIENT.parse().unwrap();
+    // Server off: it sends no tickets.
+    let server = Side::new(&dir, Duration::from_secs(7200), false);
+    let client = Side::new(&dir, Duration::from_secs(7200), true);
+    let addr = serve(&server).await;
+    for _ in 0..2 {
+        assert_eq!(once(&client, addr, SERVER).await, Ok(false));
+    }
+    assert_eq!(client.tls.cached_sessions(&me), Some(0));
+    // Client off: it keeps none.
+    let server = Side::new(&dir, Duration::from_secs(7200), true);
+    let client = Side::new(&dir, Duration::from_secs(7200), false);
+    let addr = serve(&server).await;
+    for _ in 0..2 {
+        assert_eq!(once(&client, addr, SERVER).await, Ok(false));
+    }
+    assert_eq!(client.tls.cached_sessions(&me), Some(0));
+    assert_eq!(server.handshakes("server", "full"), 2.0, "{}", server.metrics());
+    let _ = std::fs::remove_dir_all(dir);
+}
