@@ -193,6 +193,26 @@ async fn malformed_connect_gets_status_and_proxy_keeps_serving() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_http2_preface_ends_tls_with_close_notify() {
+    let m = start_mesh(31, "echo", "ecdsa-p256").await;
+    let (tls, _) = tls_client(&m.ca_dir);
+    let tcp = tokio::net::TcpStream::connect(m.b.bound.inbound).await.unwrap();
+    let me: Identity = "spiffe://cluster.local/ns/test/sa/prober".parse().unwrap();
+    let mut s = tls.connect(tcp, &me, &ECHO.parse().unwrap()).await.expect("mTLS to B");
+    // Longer than the 24-byte HTTP/2 preface, so the server refuses it at once.
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+    s.flush().await.unwrap();
+    let mut got = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut got)).await;
+    assert!(matches!(r, Ok(Ok(_))), "{r:?}");
+    // BoringSSL reads a bare TCP close as end of stream too: ask it whether close_notify came.
+    // SAFETY: SSL_get_shutdown reads a field of the live SSL the stream owns.
+    let state =
+        unsafe { boring_sys::SSL_get_shutdown(foreign_types::ForeignTypeRef::as_ptr(s.ssl())) };
+    assert_ne!(state & boring_sys::SSL_RECEIVED_SHUTDOWN, 0, "no close_notify");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_from_another_ca_is_refused_and_counted() {
     let m = start_mesh(14, "echo", "ecdsa-p256").await;
     let other = temp_dir("otherca14");

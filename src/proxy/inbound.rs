@@ -4,11 +4,13 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use h2::server::SendResponse;
 use h2::RecvStream;
 use http::{Request, Response, StatusCode};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
@@ -111,56 +113,64 @@ async fn serve_hbone_pending<S: Stream>(
         };
         tracing::debug!(peer = %peer_id, "mTLS established");
         let peer_id = Arc::new(peer_id);
-        let preface = server_builder().handshake::<_, Bytes>(tls);
-        let mut conn = match tokio::time::timeout(ctx.limits.handshake_timeout, preface).await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => {
-                let kind = ctx.metrics.h2_error("server", &e);
-                tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
-                return;
-            }
-            Err(_) => {
-                ctx.metrics.refuse("h2_preface_timeout");
-                tracing::info!("HBONE connection closed: no HTTP/2 preface in time");
-                return;
-            }
-        };
-        let keepalive = crate::hbone::server::keepalive(conn.ping_pong());
-        tokio::pin!(keepalive);
-        let mut draining = false;
-        loop {
-            tokio::select! {
-                next = conn.accept() => match next {
-                    Some(Ok((req, respond))) => {
-                        let ctx = ctx.clone();
-                        let peer_id = peer_id.clone();
-                        let netns = netns.clone();
-                        tokio::spawn(
-                            async move {
-                                serve_connect(ctx, req, respond, peer, reached, &peer_id, netns.as_deref()).await
-                            }
-                            .in_current_span(),
-                        );
-                    }
-                    Some(Err(e)) => {
-                        let kind = ctx.metrics.h2_error("server", &e);
-                        tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+        let mut tls = tls;
+        async {
+            let preface = server_builder().handshake::<_, Bytes>(&mut tls);
+            let mut conn = match tokio::time::timeout(ctx.limits.handshake_timeout, preface).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    let kind = ctx.metrics.h2_error("server", &e);
+                    tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+                    return;
+                }
+                Err(_) => {
+                    ctx.metrics.refuse("h2_preface_timeout");
+                    tracing::info!("HBONE connection closed: no HTTP/2 preface in time");
+                    return;
+                }
+            };
+            let keepalive = crate::hbone::server::keepalive(conn.ping_pong());
+            tokio::pin!(keepalive);
+            let mut draining = false;
+            loop {
+                tokio::select! {
+                    next = conn.accept() => match next {
+                        Some(Ok((req, respond))) => {
+                            let ctx = ctx.clone();
+                            let peer_id = peer_id.clone();
+                            let netns = netns.clone();
+                            tokio::spawn(
+                                async move {
+                                    serve_connect(ctx, req, respond, peer, reached, &peer_id, netns.as_deref()).await
+                                }
+                                .in_current_span(),
+                            );
+                        }
+                        Some(Err(e)) => {
+                            let kind = ctx.metrics.h2_error("server", &e);
+                            tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+                            break;
+                        }
+                        // Closed by the peer, or (draining) every stream has finished.
+                        None => break,
+                    },
+                    why = &mut keepalive => {
+                        tracing::info!(why, "HBONE connection closed: keepalive failed");
                         break;
                     }
-                    // Closed by the peer, or (draining) every stream has finished.
-                    None => break,
-                },
-                why = &mut keepalive => {
-                    tracing::info!(why, "HBONE connection closed: keepalive failed");
-                    break;
-                }
-                _ = ctx.drain.signaled(), if !draining => {
-                    // GOAWAY: no new streams; streams in flight finish.
-                    draining = true;
-                    conn.graceful_shutdown();
+                    _ = ctx.drain.signaled(), if !draining => {
+                        // GOAWAY: no new streams; streams in flight finish.
+                        draining = true;
+                        conn.graceful_shutdown();
+                    }
                 }
             }
         }
+        .await;
+        // h2 is done with the connection, or never started (a bad preface): end TLS with
+        // close_notify, so that the peer does not see a truncation (an OpenSSL client also
+        // drops a TLS 1.3 session that ended without it).
+        let _ = tokio::time::timeout(Duration::from_secs(1), tls.shutdown()).await;
     }
     .instrument(span)
     .await
