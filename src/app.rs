@@ -156,7 +156,8 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let tls = Arc::new(
         TlsProvider::new(store.clone(), signer.clone(), cfg.trust_domain.clone(), metrics.clone())
             .with_limits(&limits)
-            .with_resumption(cfg.tls_resumption),
+            .with_resumption(cfg.tls_resumption)
+            .with_groups(&cfg.tls_groups),
     );
     let pool = Arc::new(Pool::new(
         tls.clone(),

@@ -145,6 +145,10 @@ pub struct Config {
     /// TLS 1.3 session resumption between mbtunnel peers (PSK with ECDHE, tickets at most an
     /// hour and never past the authenticating certificate; see `tls::resume`).
     pub tls_resumption: bool,
+    /// TLS key-exchange groups offered (client) and accepted (server), in preference order.
+    /// Empty: BoringSSL's defaults, which are what ztunnel offers: X25519MLKEM768 (the
+    /// post-quantum hybrid), X25519, P-256, P-384.
+    pub tls_groups: Vec<String>,
     pub log_format: LogFormat,
     pub log_level: String,
     /// `auto`, `ifma` or `scalar`.
@@ -247,6 +251,7 @@ impl Default for Config {
             pool_idle_timeout_secs: 300,
             pool_max_streams: 100,
             tls_resumption: true,
+            tls_groups: Vec::new(),
             log_format: LogFormat::Text,
             log_level: "info".into(),
             signer_backend: "auto".into(),
@@ -492,6 +497,13 @@ impl Config {
                 self.pool_max_streams
             ));
         }
+        if let Some(g) = self.tls_groups.iter().find(|g| !crate::tls::GROUPS.contains(&g.as_str()))
+        {
+            return bad(format!(
+                "tls_groups: unknown group '{g}' (known: {})",
+                crate::tls::GROUPS.join(", ")
+            ));
+        }
         if self.signer_queue_limit == 0 {
             return bad("signer_queue_limit must be at least 1".into());
         }
@@ -677,6 +689,19 @@ nodes:
         .unwrap_err()
         .to_string();
         assert!(e.contains("colour") && e.contains("y.yaml"), "{e}");
+    }
+
+    #[test]
+    fn tls_groups_are_checked_by_name() {
+        let c =
+            Config::from_yaml("node_name: a\ntls_groups: [X25519, P-256]\n", Path::new("g.yaml"))
+                .unwrap();
+        assert_eq!(c.tls_groups, ["X25519", "P-256"]);
+        assert!(c.tls_resumption, "resumption is on by default");
+        let e = Config::from_yaml("node_name: a\ntls_groups: [X448]\n", Path::new("g.yaml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("X448") && e.contains("X25519MLKEM768"), "{e}");
     }
 
     #[test]

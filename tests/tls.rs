@@ -1,5 +1,6 @@
-//! TLS 1.3 resumption between mbtunnel peers: what is resumed, what never is, and the bounds on
-//! tickets. Two `TlsProvider`s on loopback, certificates from one dev CA.
+//! TLS options between two `TlsProvider`s on loopback, certificates from one dev CA: TLS 1.3
+//! resumption between mbtunnel peers (what is resumed, what never is, the bounds on tickets) and
+//! the key-exchange groups.
 
 mod common;
 
@@ -29,6 +30,15 @@ struct Side {
 
 impl Side {
     fn new(ca_dir: &std::path::Path, lifetime: Duration, resumption: bool) -> Side {
+        Side::with_groups(ca_dir, lifetime, resumption, &[])
+    }
+
+    fn with_groups(
+        ca_dir: &std::path::Path,
+        lifetime: Duration,
+        resumption: bool,
+        groups: &[&str],
+    ) -> Side {
         let ca = DevCa::load_or_create(ca_dir, "cluster.local").unwrap();
         let store = Arc::new(CertStore::new(ca, KeyAlgorithm::EcdsaP256, lifetime));
         let mut reg = Registry::default();
@@ -36,7 +46,8 @@ impl Side {
         let signer =
             Signer::start(mbtunnel::signer::SignerConfig { threads: 1, ..Default::default() });
         let tls = TlsProvider::new(store.clone(), signer, "cluster.local".into(), metrics)
-            .with_resumption(resumption);
+            .with_resumption(resumption)
+            .with_groups(&groups.iter().map(|g| g.to_string()).collect::<Vec<_>>());
         Side { tls: Arc::new(tls), store, registry: Arc::new(reg) }
     }
 
@@ -79,6 +90,15 @@ async fn serve(server: &Side) -> SocketAddr {
 
 /// One connection from `client` to `addr` expecting `expected`; whether it resumed.
 async fn once(client: &Side, addr: SocketAddr, expected: &str) -> Result<bool, String> {
+    once_with_group(client, addr, expected).await.map(|(resumed, _)| resumed)
+}
+
+/// The same, with the negotiated key-exchange group.
+async fn once_with_group(
+    client: &Side,
+    addr: SocketAddr,
+    expected: &str,
+) -> Result<(bool, String), String> {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let me: Identity = CLIENT.parse().unwrap();
     let want: Identity = expected.parse().unwrap();
@@ -89,8 +109,9 @@ async fn once(client: &Side, addr: SocketAddr, expected: &str) -> Result<bool, S
     let mut b = [0u8; 1];
     s.read_exact(&mut b).await.unwrap();
     let resumed = s.ssl().session_reused();
+    let group = s.ssl().curve_name().unwrap_or("none").to_string();
     let _ = s.shutdown().await;
-    Ok(resumed)
+    Ok((resumed, group))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,5 +198,27 @@ async fn off_on_either_side_means_full_handshakes() {
     }
     assert_eq!(client.tls.cached_sessions(&me), Some(0));
     assert_eq!(server.handshakes("server", "full"), 2.0, "{}", server.metrics());
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_exchange_follows_tls_groups() {
+    let dir = temp_dir("groups");
+    let long = Duration::from_secs(7200);
+    // Defaults on both sides: the post-quantum hybrid, as ztunnel offers it.
+    let server = Side::new(&dir, long, false);
+    let client = Side::new(&dir, long, false);
+    let addr = serve(&server).await;
+    let (_, g) = once_with_group(&client, addr, SERVER).await.unwrap();
+    assert_eq!(g, "X25519MLKEM768");
+    // A client limited to X25519.
+    let classical = Side::with_groups(&dir, long, false, &["X25519", "P-256"]);
+    let (_, g) = once_with_group(&classical, addr, SERVER).await.unwrap();
+    assert_eq!(g, "X25519");
+    // A server that accepts P-256 only: the default client is asked to retry with it.
+    let p256 = Side::with_groups(&dir, long, false, &["P-256"]);
+    let addr = serve(&p256).await;
+    let (_, g) = once_with_group(&client, addr, SERVER).await.unwrap();
+    assert_eq!(g, "P-256");
     let _ = std::fs::remove_dir_all(dir);
 }

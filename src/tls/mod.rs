@@ -32,6 +32,9 @@ use tokio_boring::{SslStream, SslStreamBuilder};
 
 use crate::net::io::Buffered;
 
+/// Key-exchange groups `tls_groups` may name (BoringSSL's names).
+pub const GROUPS: &[&str] = &["X25519MLKEM768", "X25519", "P-256", "P-384", "P-521"];
+
 /// What TLS runs over: a TCP connection, or an in-memory pipe (same-node HBONE in eBPF mode).
 pub trait Stream: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static {}
 impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static> Stream for T {}
@@ -172,6 +175,8 @@ pub struct TlsProvider {
     cache: Mutex<HashMap<Identity, Arc<Contexts>>>,
     inline_signing: bool,
     resumption: bool,
+    /// `tls_groups` joined for BoringSSL; empty = its defaults.
+    groups: String,
     handshake_timeout: Duration,
     /// One gate per side: handshakes computing at once, admitted in arrival order.
     server_gate: Semaphore,
@@ -193,6 +198,7 @@ impl TlsProvider {
             cache: Mutex::new(HashMap::new()),
             inline_signing: false,
             resumption: false,
+            groups: String::new(),
             handshake_timeout: crate::net::Limits::default().handshake_timeout,
             server_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
             client_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
@@ -211,6 +217,13 @@ impl TlsProvider {
     /// config turns it on for the proxy).
     pub fn with_resumption(mut self, on: bool) -> Self {
         self.resumption = on;
+        self
+    }
+
+    /// Key-exchange groups in preference order (names from [`GROUPS`]); empty = BoringSSL's
+    /// defaults (X25519MLKEM768, X25519, P-256, P-384, as ztunnel offers).
+    pub fn with_groups(mut self, groups: &[String]) -> Self {
+        self.groups = groups.join(":");
         self
     }
 
@@ -296,6 +309,9 @@ impl TlsProvider {
             b.set_options(SslOptions::NO_TICKET | SslOptions::CIPHER_SERVER_PREFERENCE);
         }
         b.set_session_cache_mode(SslSessionCacheMode::OFF);
+        if !self.groups.is_empty() {
+            b.set_curves_list(&self.groups)?;
+        }
         b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
         for c in &bundle.chain_der {
             b.add_extra_chain_cert(X509::from_der(c)?)?;
