@@ -23,6 +23,11 @@
 #   hs      HS_PROCS × `openssl s_time -new` straight to the server proxy's 15008 with a client
 #           leaf from the shared root (SPIFFE id of default/client) → handshakes/s, server CPU
 #           per handshake
+#   hsr     the same with `openssl s_time -reuse -www /`: each client reuses its session, so a server
+#           that issues TLS 1.3 tickets resumes (mbtunnel with tls_resumption, its default; ztunnel
+#           sends no tickets, so its handshakes stay full). `-www /` makes s_time read after the
+#           handshake, which is when a TLS 1.3 client receives its ticket; the HBONE server answers
+#           the HTTP/1.0 GET by closing.                      → handshakes/s, share resumed
 # (GB = 10^9 bytes received by iperf3; "proxy CPU" = utime+stime of both proxies from
 # /proc/PID/stat, summed; RSS = VmRSS from /proc/PID/status, read 3/4 into the fixed-rate run.)
 #
@@ -239,6 +244,11 @@ run_product() { # product round attempt → dir in RUN_DIR
   local rej rst
   rej=$(tail -n +"$((lines0 + 1))" "$dir/server.log" | grep -E "$hsfail" | grep -cvE "$reset" || true)
   rst=$(tail -n +"$((lines0 + 1))" "$dir/server.log" | grep -E "$hsfail" | grep -cE "$reset" || true)
+  local hsr_cmd=""
+  for i in $(seq 1 "$HS_PROCS"); do
+    hsr_cmd+="openssl s_time -connect $IP_B:15008 -reuse -www / -time $SECS -cert $WORK/hs-cert.pem -key $WORK/hs-key.pem > $dir/hsr-$i.out 2>&1 & "
+  done
+  measure "$dir" hsr -1 ip netns exec "$A" bash -c "$hsr_cmd wait"
   # Evidence that the traffic went through the proxies as mTLS (the capture worked).
   local mtls
   mtls=$(get "$B" http://127.0.0.1:15020/metrics | grep '^istio_tcp_connections_opened_total' \

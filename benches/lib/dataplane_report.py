@@ -20,7 +20,7 @@ import sys
 
 BEGIN = "<!-- dataplane-bench:begin (written by benches/dataplane.sh; a rerun replaces it) -->"
 END = "<!-- dataplane-bench:end -->"
-WORKLOADS = ["fixed", "iperf1", "iperf4", "wrk", "cpr", "hs"]
+WORKLOADS = ["fixed", "iperf1", "iperf4", "wrk", "cpr", "hs", "hsr"]
 
 
 def load(path):
@@ -153,6 +153,26 @@ def parse_run(d):
         if meta.get("hs_leaf_accepted", 1) == 0:
             problems.append("hs: the server refused the client leaf (s_client saw an alert): "
                             "s_time's count is not a count of accepted handshakes")
+    if ms.get("hsr"):
+        total, reused, errs = 0, 0, 0
+        for f in sorted(glob.glob(os.path.join(d, "hsr-*.out"))):
+            text = read(f)
+            mm = re.search(r"(\d+) connections in [\d.]+ real seconds", text)
+            if mm:
+                total += int(mm.group(1))
+                # s_time prints one character per timed connection: 'r' when it resumed.
+                timed = text.split("starting", 1)[-1].split("\n\n", 1)[0]
+                reused += timed.count("r")
+            else:
+                errs += 1
+        if errs:
+            problems.append("hsr: %d s_time processes gave no count" % errs)
+        if total:
+            v["hsr_rate"] = total / ms["hsr"]["wall"]
+            v["hsr_cpu_ms"] = ms["hsr"]["cpu_server"] / total * 1000
+            v["hsr_resumed_share"] = min(reused, total) / total
+        else:
+            problems.append("hsr: no handshakes")
     if "rss_end_client_kib" in meta:
         v["rss_end_mib"] = (meta["rss_end_client_kib"] + meta["rss_end_server_kib"]) / 2 / 1024
     v["hs_tickets"] = meta.get("hs_tickets")
@@ -223,6 +243,9 @@ def table(argv):
         ("new TCP connection per request (pooled HBONE): conn/s", "cpr_cps", "int", ">=", 1.2, "≥ 1.2"),
         ("server TLS handshakes/s (%d × `openssl s_time -new`)" % hsp, "hs_rate", "int", ">=", 1.5, "≥ 1.5"),
         ("same, server CPU per handshake", "hs_cpu_ms", "ms", "<=", 0.67, "≤ 0.67"),
+        ("server TLS handshakes/s, clients reusing their session (%d × `s_time -reuse`)" % hsp,
+         "hsr_rate", "int", None, None, "–"),
+        ("same, server CPU per handshake", "hsr_cpu_ms", "ms", None, None, "–"),
     ]
     prods = [p for p in ("ztunnel", "mbtunnel") if p in data]
     nrounds = {p: len(data[p]) for p in prods}
@@ -268,7 +291,8 @@ def table(argv):
         if meds.get("ztunnel") and meds.get("mbtunnel") is not None:
             q = meds["mbtunnel"] / meds["ztunnel"]
             ratio = "%.2f" % q
-            met = "yes" if (q >= tgt if op == ">=" else q <= tgt) else "no"
+            if op is not None:
+                met = "yes" if (q >= tgt if op == ">=" else q <= tgt) else "no"
         lines.append("| %s | %s | %s | %s | %s | %s |" % (label, cells[0], cells[1], ratio, ttext, met))
     lines.append("")
     # Supporting figures.
@@ -287,6 +311,7 @@ def table(argv):
         ("connection per request: proxy CPU-seconds per 1000 connections", "cpr_cpu_per_k", "4"),
         ("handshakes: share the server logged as reset by s_time's close", "hs_reset_share", "2"),
         ("handshakes: TLS 1.3 session tickets the server sends (one s_client)", "hs_tickets", "int"),
+        ("`s_time -reuse`: share of the timed handshakes that resumed", "hsr_resumed_share", "2"),
         ("sockets in TIME-WAIT after the connection-per-request run (both nodes)", "time_wait", "int"),
         ("most CPUs of other load during a workload (quiet check)", "foreign_max", "2"),
         ("most CPU steal during a workload (hypervisor)", "steal_max", "2"),
@@ -318,7 +343,11 @@ def table(argv):
                  "(EC P-256, `spiffe://cluster.local/ns/default/sa/client`) from the shared root — s_time "
                  "offers no ALPN, which both servers accept%s; the server's log is checked for rejected "
                  "handshakes, since s_time counts a TLS 1.3 handshake before the server has judged the "
-                 "client certificate. GB = 10^9 bytes received by iperf3. RSS is VmRSS 3/4 into the "
+                 "client certificate; the `-reuse` run is the same with `s_time -reuse -www /`: each "
+                 "client reuses its session, which a server that sends TLS 1.3 tickets resumes "
+                 "(`-www /` makes s_time read after the handshake, when tickets arrive; the HBONE "
+                 "server closes on the HTTP/1.0 GET, in both products). "
+                 "GB = 10^9 bytes received by iperf3. RSS is VmRSS 3/4 into the "
                  "fixed-rate run (the first workload on the fresh proxies), the mean of the two "
                  "proxies. Every product run has fresh node namespaces, apps and proxies; each proxy runs with its own default settings and log "
                  "level (ztunnel writes an access line per connection, mbtunnel too), logs to a file. "
@@ -338,7 +367,7 @@ def table(argv):
     lines.append("")
     # Raw per-round values, so the medians can be checked.
     keys = ["iperf1_gbps", "iperf1_cpu_per_gb", "iperf4_gbps", "wrk_rps", "wrk_cpu_per_k", "fixed_vcpu",
-            "fixed_rss_mib", "cpr_cps", "hs_rate", "hs_cpu_ms", "foreign_max"]
+            "fixed_rss_mib", "cpr_cps", "hs_rate", "hs_cpu_ms", "hsr_rate", "hsr_cpu_ms", "foreign_max"]
     lines.append("<details><summary>Per round</summary>")
     lines.append("")
     lines.append("| product | round | attempts | " + " | ".join(keys) + " |")
