@@ -62,14 +62,22 @@ pub fn bind_address_no_port(s: BorrowedFd<'_>) -> io::Result<bool> {
 /// buffers). With glibc's defaults the top of the heap is trimmed when such a chunk is freed and
 /// the next allocation faults its pages back in: ~16 page faults per 64 KiB moved, measured at
 /// 655k faults in a 5-second 3.6 GB transfer. A 1 MiB mmap threshold keeps these buffers on the
-/// heap; a 16 MiB trim threshold keeps up to that much free memory per arena for reuse.
-/// Other allocators ignore this; it is a no-op outside glibc.
+/// heap; a 2 MiB trim threshold keeps up to that much free memory at the top of each arena for
+/// reuse (16 MiB cost 7 MiB of RSS per proxy after the data-plane bench for no CPU measured).
+/// Other allocators ignore this; it is a no-op outside glibc. glibc's own environment variables
+/// (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`), when set, win.
 pub fn tune_allocator() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt takes two integers and changes allocator parameters; it is called before
-    // the runtime starts, and glibc allows it at any time.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 16 << 20);
+    for (param, env, value) in [
+        (libc::M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_", 1 << 20),
+        (libc::M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_", 2 << 20),
+    ] {
+        if std::env::var_os(env).is_none() {
+            // SAFETY: mallopt takes two integers and changes allocator parameters; it is called
+            // before the runtime starts, and glibc allows it at any time.
+            unsafe {
+                libc::mallopt(param, value);
+            }
+        }
     }
 }

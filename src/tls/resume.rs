@@ -52,19 +52,22 @@ fn key_index() -> Index<Ssl, SessionKey> {
     *INDEX.get_or_init(|| Ssl::new_ex_index().expect("SSL ex_data index"))
 }
 
-/// Server side: tickets on, each valid at most [`MAX_TICKET_LIFETIME`], stateless (no session
-/// cache), bound to `sid_ctx`.
+/// Server side: tickets on, one per connection, each valid at most [`MAX_TICKET_LIFETIME`],
+/// stateless (no session cache), bound to `sid_ctx`.
 pub fn server_context(
     b: &mut SslContextBuilder,
     sid_ctx: &[u8],
 ) -> Result<(), boring::error::ErrorStack> {
     b.set_session_id_context(sid_ctx)?;
-    // SAFETY: `b` owns a valid SSL_CTX; the call stores an integer in it.
+    // SAFETY: `b` owns a valid SSL_CTX; the calls store integers in it.
     unsafe {
         boring_sys::SSL_CTX_set_session_psk_dhe_timeout(
             b.as_ptr(),
             MAX_TICKET_LIFETIME.as_secs() as u32,
         );
+        // One ticket per connection (BoringSSL sends two): a client uses each ticket once and
+        // gets a new one with every connection, and each ticket costs an encryption.
+        boring_sys::SSL_CTX_set_num_tickets(b.as_ptr(), 1);
     }
     Ok(())
 }
