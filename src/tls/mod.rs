@@ -448,12 +448,7 @@ impl TlsProvider {
                     .accept()
                     .await
                     .map_err(|e| handshake_error(&e, &refusal))?;
-                let der = s
-                    .ssl()
-                    .peer_certificate()
-                    .ok_or(TlsError::NoPeerCert)?
-                    .to_der()
-                    .map_err(TlsError::from)?;
+                let der = peer_cert_der(s.ssl())?;
                 let peer = peer_identity_of(&der)?;
                 if s.ssl().session_reused() {
                     // No certificate was verified in this handshake: the session's must still
@@ -527,12 +522,7 @@ impl TlsProvider {
                 if s.ssl().session_reused() {
                     // The server proved it holds the session's secret, not a certificate: the
                     // session's certificate must still be the expected identity, and valid.
-                    let der = s
-                        .ssl()
-                        .peer_certificate()
-                        .ok_or(TlsError::NoPeerCert)?
-                        .to_der()
-                        .map_err(TlsError::from)?;
+                    let der = peer_cert_der(s.ssl())?;
                     let got = peer_identity_of(&der)?;
                     if got != *expected {
                         return Err(TlsError::WrongIdentity {
@@ -564,6 +554,11 @@ fn log_done(side: &'static str, ssl: &boring::ssl::SslRef, peer: &Identity) {
         resumed = ssl.session_reused(),
         "TLS handshake complete"
     );
+}
+
+/// The peer's leaf certificate, DER (from the session when it was resumed).
+fn peer_cert_der(ssl: &boring::ssl::SslRef) -> Result<Vec<u8>, TlsError> {
+    ssl.peer_certificate().ok_or(TlsError::NoPeerCert)?.to_der().map_err(TlsError::from)
 }
 
 fn in_trust_domain(id: &Identity, td: &str) -> Result<(), TlsError> {
