@@ -39,6 +39,23 @@ def read(path):
         return ""
 
 
+def s_time_counts(d, workload):
+    """Connections counted by the workload's s_time processes, how many resumed, and how many
+    processes gave no count."""
+    total, reused, errs = 0, 0, 0
+    for f in sorted(glob.glob(os.path.join(d, workload + "-*.out"))):
+        text = read(f)
+        mm = re.search(r"(\d+) connections in [\d.]+ real seconds", text)
+        if mm:
+            total += int(mm.group(1))
+            # s_time prints one character per timed connection: 'r' when it resumed.
+            timed = text.split("starting", 1)[-1].split("\n\n", 1)[0]
+            reused += timed.count("r")
+        else:
+            errs += 1
+    return total, reused, errs
+
+
 def check(run_dir, quiet_max):
     worst, wname = 0.0, None
     for w in WORKLOADS:
@@ -130,14 +147,7 @@ def parse_run(d):
         if r["socket_errors"] or r["non2xx"]:
             problems.append("cpr: %d socket errors, %d non-2xx" % (r["socket_errors"], r["non2xx"]))
     if ms["hs"]:
-        total, errs = 0, 0
-        for f in sorted(glob.glob(os.path.join(d, "hs-*.out"))):
-            text = read(f)
-            mm = re.search(r"(\d+) connections in [\d.]+ real seconds", text)
-            if mm:
-                total += int(mm.group(1))
-            else:
-                errs += 1
+        total, _, errs = s_time_counts(d, "hs")
         if errs:
             problems.append("hs: %d s_time processes gave no count" % errs)
         if total:
@@ -154,17 +164,7 @@ def parse_run(d):
             problems.append("hs: the server refused the client leaf (s_client saw an alert): "
                             "s_time's count is not a count of accepted handshakes")
     if ms.get("hsr"):
-        total, reused, errs = 0, 0, 0
-        for f in sorted(glob.glob(os.path.join(d, "hsr-*.out"))):
-            text = read(f)
-            mm = re.search(r"(\d+) connections in [\d.]+ real seconds", text)
-            if mm:
-                total += int(mm.group(1))
-                # s_time prints one character per timed connection: 'r' when it resumed.
-                timed = text.split("starting", 1)[-1].split("\n\n", 1)[0]
-                reused += timed.count("r")
-            else:
-                errs += 1
+        total, reused, errs = s_time_counts(d, "hsr")
         if errs:
             problems.append("hsr: %d s_time processes gave no count" % errs)
         if total:
