@@ -299,7 +299,7 @@ struct Half {
     done: bool,
 }
 
-/// First read of a connection, and the floor after it goes idle.
+/// First read of a connection; reads grow from here while they fill, and do not shrink back.
 const MIN_READ: usize = 16 * 1024;
 /// Largest read: one chunk handed to the other leg at once (an h2 DATA frame on HBONE).
 const MAX_READ: usize = 256 * 1024;
