@@ -17,6 +17,7 @@ use std::io;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
+use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Size of each buffer: four full TLS records.
@@ -25,8 +26,9 @@ pub const BUF: usize = 64 * 1024;
 /// A byte stream with a read buffer and a write buffer of [`BUF`] bytes each.
 pub struct Buffered<S> {
     inner: S,
-    rbuf: Vec<u8>,
-    rpos: usize,
+    /// Read ahead, not yet consumed (filled without zeroing first: a fill is one `recv` into
+    /// spare capacity, not a 64 KiB `memset` and then the `recv`).
+    rbuf: BytesMut,
     wbuf: Vec<u8>,
     /// Bytes of `wbuf` already written.
     wpos: usize,
@@ -34,7 +36,7 @@ pub struct Buffered<S> {
 
 impl<S> Buffered<S> {
     pub fn new(inner: S) -> Buffered<S> {
-        Buffered { inner, rbuf: Vec::new(), rpos: 0, wbuf: Vec::new(), wpos: 0 }
+        Buffered { inner, rbuf: BytesMut::new(), wbuf: Vec::new(), wpos: 0 }
     }
 
     pub fn get_ref(&self) -> &S {
@@ -47,7 +49,7 @@ impl<S> Buffered<S> {
 
     /// Bytes held in memory: (read ahead not yet consumed, written but not yet sent).
     pub fn buffered(&self) -> (usize, usize) {
-        (self.rbuf.len() - self.rpos, self.wbuf.len() - self.wpos)
+        (self.rbuf.len(), self.wbuf.len() - self.wpos)
     }
 
     /// Whether either buffer holds an allocation (for the memory tests).
@@ -90,39 +92,34 @@ impl<S: AsyncRead + Unpin> AsyncRead for Buffered<S> {
         out: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let me = self.get_mut();
-        if me.rpos == me.rbuf.len() {
+        if me.rbuf.is_empty() {
             // Empty. A read as large as the buffer gains nothing from it.
             if out.remaining() >= BUF {
-                me.rbuf = Vec::new();
-                me.rpos = 0;
+                me.rbuf = BytesMut::new();
                 return Pin::new(&mut me.inner).poll_read(cx, out);
             }
-            if me.rbuf.capacity() < BUF {
-                me.rbuf = Vec::with_capacity(BUF);
-            }
-            me.rbuf.resize(BUF, 0);
-            let mut rb = ReadBuf::new(&mut me.rbuf);
-            match Pin::new(&mut me.inner).poll_read(cx, &mut rb) {
-                Poll::Ready(Ok(())) => {
-                    let n = rb.filled().len();
-                    me.rbuf.truncate(n);
-                    me.rpos = 0;
-                    if n == 0 {
-                        me.rbuf = Vec::new();
-                        return Poll::Ready(Ok(())); // EOF
-                    }
+            // Consumed to the end: `reserve` takes the same allocation back from the start.
+            me.rbuf.reserve(BUF);
+            match tokio_util::io::poll_read_buf(Pin::new(&mut me.inner), cx, &mut me.rbuf) {
+                Poll::Ready(Ok(0)) => {
+                    me.rbuf = BytesMut::new();
+                    return Poll::Ready(Ok(())); // EOF
                 }
-                other => {
-                    // Nothing to read (or an error): hold no memory while waiting.
-                    me.rbuf = Vec::new();
-                    me.rpos = 0;
-                    return other;
+                Poll::Ready(Ok(_)) => {}
+                Poll::Ready(Err(e)) => {
+                    me.rbuf = BytesMut::new();
+                    return Poll::Ready(Err(e));
+                }
+                Poll::Pending => {
+                    // Nothing to read: hold no memory while waiting.
+                    me.rbuf = BytesMut::new();
+                    return Poll::Pending;
                 }
             }
         }
-        let n = out.remaining().min(me.rbuf.len() - me.rpos);
-        out.put_slice(&me.rbuf[me.rpos..me.rpos + n]);
-        me.rpos += n;
+        let n = out.remaining().min(me.rbuf.len());
+        out.put_slice(&me.rbuf[..n]);
+        me.rbuf.advance(n);
         Poll::Ready(Ok(()))
     }
 }
