@@ -3,7 +3,9 @@
 # tests/deploy.rs checks this file: the build stage installs through scripts/deps.sh, the two
 # stages share a Debian release, and EXPOSE lists the binary's default listener ports.
 
-# Build stage: the Rust toolchain on Debian 12, the same packages `make` installs, a release build.
+# Build stage: the Rust toolchain on Debian 12, the same packages `make` installs, and the `dist`
+# profile (release with fat LTO and one codegen unit: 5–9 % less proxy CPU per byte and per request
+# than `release`, measured in benches/README.md).
 ARG RUST_VERSION=1.95
 FROM rust:${RUST_VERSION}-bookworm AS build
 WORKDIR /src
@@ -16,8 +18,8 @@ COPY . .
 # (symbol names stay, so backtraces still name functions).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked \
-    && cp target/release/mbtunnel /usr/local/bin/mbtunnel \
+    cargo build --profile dist --locked \
+    && cp target/dist/mbtunnel /usr/local/bin/mbtunnel \
     && strip --strip-debug /usr/local/bin/mbtunnel
 
 # Runtime stage: Debian 12 slim (the glibc and libstdc++ the binary was linked against), the binary

@@ -33,9 +33,11 @@ bench: deps
 
 # Data plane side by side with ztunnel (root: network namespaces; issue 14): prints the table and
 # writes it to benches/README.md. Its tools (iperf3, wrk, hey, nginx) are installed here only.
-# ROUNDS, SECS, BIN, ... as documented at the top of benches/dataplane.sh.
+# ROUNDS, SECS, BIN, ... as documented at the top of benches/dataplane.sh. It measures the `dist`
+# binary (release + fat LTO), the one the image ships.
 bench-dataplane:
 	./scripts/bench-deps.sh
+	$(CARGO) build --profile dist --locked --bin mbtunnel
 	./benches/dataplane.sh
 
 clean:

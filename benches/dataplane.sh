@@ -41,12 +41,12 @@
 # so. Prints the table (medians over the rounds, min–max spread) and writes it between markers in
 # benches/README.md (README_WRITE=0 to skip; README_FILE to choose).
 #
-# Environment: BIN (mbtunnel; default target/release/mbtunnel, built with `cargo build --release`
-# if missing), ROUNDS=5, SECS=5, RATE=1000, CONNS=16, HS_PROCS=4, QUIET_MAX=0.25, QUIET_SECS=2,
+# Environment: BIN (mbtunnel; default target/dist/mbtunnel, the profile the image ships, built
+# with `cargo build --profile dist` if missing), ROUNDS=5, SECS=5, RATE=1000, CONNS=16, HS_PROCS=4, QUIET_MAX=0.25, QUIET_SECS=2,
 # QUIET_WAIT=30, RETRIES=2, PRODUCTS="ztunnel mbtunnel", MBT_LOG / ZT_LOG (RUST_LOG of each; default:
 # the product's own default), KEEP=1 keeps the work directory (logs, raw outputs).
 set -euo pipefail
-BIN=${BIN:-target/release/mbtunnel}
+BIN=${BIN:-target/dist/mbtunnel}
 [ -e "$BIN" ] && BIN=$(realpath "$BIN")     # before the cd below: BIN may be relative to the caller
 cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-5}; SECS=${SECS:-5}; RATE=${RATE:-1000}; CONNS=${CONNS:-16}; HS_PROCS=${HS_PROCS:-4}
@@ -62,9 +62,9 @@ if [ "${#missing[@]}" != 0 ]; then
   say "missing ${missing[*]}: running scripts/bench-deps.sh"; ./scripts/bench-deps.sh
 fi
 if [ ! -x "$BIN" ]; then
-  if [ "$BIN" = "$(pwd)/target/release/mbtunnel" ] || [ "$BIN" = target/release/mbtunnel ]; then
-    say "no $BIN: cargo build --release --locked"; cargo build --release --locked
-    BIN=$(realpath target/release/mbtunnel)
+  if [ "$BIN" = "$(pwd)/target/dist/mbtunnel" ] || [ "$BIN" = target/dist/mbtunnel ]; then
+    say "no $BIN: cargo build --profile dist --locked"; cargo build --profile dist --locked --bin mbtunnel
+    BIN=$(realpath target/dist/mbtunnel)
   else
     say "no mbtunnel binary at $BIN"; exit 1
   fi

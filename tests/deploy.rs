@@ -135,9 +135,19 @@ fn dockerfile_build_stage_uses_the_dependency_script() {
     for pkgs in inline {
         assert_eq!(pkgs, deps_list(), "an inline apt list must equal scripts/deps.sh --list");
     }
+    // The image ships the `dist` profile (release + LTO), the one the data-plane bench measures.
     assert!(
-        runs.iter().any(|r| r.contains("cargo build --release --locked")),
-        "build stage must build the release binary from the lockfile"
+        runs.iter().any(|r| r.contains("cargo build --profile dist --locked")
+            && r.contains("cp target/dist/mbtunnel /usr/local/bin/mbtunnel")),
+        "build stage must build the dist binary from the lockfile and ship that binary"
+    );
+    let cargo =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml")).unwrap();
+    let dist = cargo.split("[profile.dist]").nth(1).expect("Cargo.toml defines [profile.dist]");
+    let dist = dist.split("\n[").next().unwrap();
+    assert!(
+        dist.contains("inherits = \"release\"") && dist.contains("lto = \"fat\""),
+        "[profile.dist] is release with fat LTO:{dist}"
     );
 }
 
