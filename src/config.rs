@@ -26,6 +26,8 @@ pub mod env {
     pub const SIGNER_THREADS: &str = "MBTUNNEL_SIGNER_THREADS";
     /// Whole CPUs the proxy may use (the DaemonSet passes `limits.cpu`); sizes the signer.
     pub const CPU_LIMIT: &str = "MBTUNNEL_CPU_LIMIT";
+    /// Proxy (tokio) worker threads; the name ztunnel's is modelled on (`ZTUNNEL_WORKER_THREADS`).
+    pub const WORKER_THREADS: &str = "MBTUNNEL_WORKER_THREADS";
     pub const LOG: &str = "RUST_LOG";
     /// `true`/`false`: in-pod mode (the names ztunnel uses).
     pub const INPOD_ENABLED: &str = "INPOD_ENABLED";
@@ -157,6 +159,8 @@ pub struct Config {
     pub signer_threads: usize,
     /// Whole CPUs the proxy may use; 0 = the process's CPU quota as detected.
     pub cpu_limit: usize,
+    /// Worker threads that run the proxy's connections; 0 = `cpu_limit` (or the detected quota).
+    pub worker_threads: usize,
     /// How long an idle signer thread may wait for a fuller batch, in microseconds (0 = never).
     pub signer_max_wait_us: u64,
     /// Requests allowed to wait in the signer; beyond it handshakes fail fast.
@@ -257,6 +261,7 @@ impl Default for Config {
             signer_backend: "auto".into(),
             signer_threads: 0,
             cpu_limit: 0,
+            worker_threads: 0,
             signer_max_wait_us: 0,
             signer_queue_limit: 4096,
             signer_scalar_below: None,
@@ -337,6 +342,9 @@ impl Config {
         }
         if let Some(v) = get(env::CPU_LIMIT) {
             self.cpu_limit = count(env::CPU_LIMIT, v, "a whole number of CPUs")?;
+        }
+        if let Some(v) = get(env::WORKER_THREADS) {
+            self.worker_threads = count(env::WORKER_THREADS, v, "a thread count")?;
         }
         let flag = |name: &str, v: String| match v.trim() {
             "true" | "1" => Ok(true),
@@ -434,12 +442,27 @@ impl Config {
     }
 
     /// Cross-field checks.
-    /// The connection-path limits this configuration sets.
-    pub fn limits(&self) -> crate::net::Limits {
-        let cpus = match self.cpu_limit {
+    /// Whole CPUs the proxy may use: `cpu_limit`, else the detected quota.
+    pub fn cpus(&self) -> usize {
+        match self.cpu_limit {
             0 => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
             n => n,
-        };
+        }
+    }
+
+    /// Worker threads for the proxy's runtime: `worker_threads`, else one per CPU of [`cpus`].
+    ///
+    /// [`cpus`]: Config::cpus
+    pub fn runtime_workers(&self) -> usize {
+        match self.worker_threads {
+            0 => self.cpus(),
+            n => n,
+        }
+    }
+
+    /// The connection-path limits this configuration sets.
+    pub fn limits(&self) -> crate::net::Limits {
+        let cpus = self.cpus();
         crate::net::Limits {
             dial_timeout: Duration::from_millis(self.connect_timeout_ms),
             handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
@@ -791,5 +814,20 @@ mod signer_settings_tests {
         assert!(e.unwrap_err().to_string().contains(env::CPU_LIMIT));
         let unset = Config::from_yaml("node_name: n\n", Path::new("t.yaml")).unwrap();
         assert_eq!((unset.cpu_limit, unset.signer_fill_wait_us), (0, None));
+    }
+
+    #[test]
+    fn worker_threads_follow_the_cpu_limit_unless_set() {
+        let mut cfg = Config::from_yaml("cpu_limit: 3\n", Path::new("t.yaml")).unwrap();
+        assert_eq!(cfg.runtime_workers(), 3, "0 = one per CPU of cpu_limit");
+        cfg.apply_env(|k| (k == env::WORKER_THREADS).then(|| "1".to_string())).unwrap();
+        assert_eq!(cfg.runtime_workers(), 1);
+        let set = Config::from_yaml("cpu_limit: 3\nworker_threads: 2\n", Path::new("t.yaml"));
+        assert_eq!(set.unwrap().runtime_workers(), 2);
+        let e = cfg.apply_env(|k| (k == env::WORKER_THREADS).then(|| "two".to_string()));
+        assert!(e.unwrap_err().to_string().contains(env::WORKER_THREADS));
+        let detected = Config::from_yaml("node_name: n\n", Path::new("t.yaml")).unwrap();
+        let quota = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        assert_eq!(detected.runtime_workers(), quota);
     }
 }

@@ -528,9 +528,13 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     Ok(cfg)
 }
 
-async fn run(a: RunArgs) -> anyhow::Result<()> {
-    let cfg = load_config(&a)?;
+async fn run(cfg: Config) -> anyhow::Result<()> {
     let handle = init_logging(cfg.log_format, &cfg.log_level)?;
+    tracing::info!(
+        worker_threads = cfg.runtime_workers(),
+        cpus = cfg.cpus(),
+        "proxy runtime started (worker_threads, cpu_limit)"
+    );
     let ctl: mbtunnel::admin::LogControl = Arc::new(move |level: &str| {
         let f = EnvFilter::try_new(level).map_err(|e| e.to_string())?;
         handle.reload(f).map_err(|e| e.to_string())
@@ -648,7 +652,12 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Run(a) => {
             mbtunnel::net::sys::tune_allocator();
-            tokio::runtime::Runtime::new()?.block_on(run(*a))
+            let cfg = load_config(&a)?;
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(cfg.runtime_workers())
+                .enable_all()
+                .build()?
+                .block_on(run(cfg))
         }
         Cmd::Tool(t) => tokio::runtime::Runtime::new()?.block_on(tool(t)),
     }
