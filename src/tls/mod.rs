@@ -26,7 +26,7 @@ use boring::ssl::{
     SslOptions, SslSessionCacheMode, SslVerifyMode, SslVersion,
 };
 use boring::x509::store::X509StoreBuilder;
-use boring::x509::{X509StoreContext, X509StoreContextRef, X509VerifyError, X509};
+use boring::x509::{X509Ref, X509StoreContext, X509StoreContextRef, X509VerifyError, X509};
 use tokio::sync::Semaphore;
 use tokio_boring::{SslStream, SslStreamBuilder};
 
@@ -106,17 +106,17 @@ pub fn spiffe_ids_of(der: &[u8]) -> Result<Vec<Identity>, TlsError> {
     Ok(ids)
 }
 
-/// The single SPIFFE id of a peer certificate.
-fn peer_identity_of(der: &[u8]) -> Result<Identity, TlsError> {
-    let mut ids = spiffe_ids_of(der)?;
+/// The single SPIFFE id of a peer certificate, read from BoringSSL's own parse of it (a
+/// handshake's certificate reads neither re-encode it nor parse it a second time).
+fn peer_identity_of(cert: &X509Ref) -> Result<Identity, TlsError> {
+    let mut ids: Vec<Identity> = cert
+        .subject_alt_names()
+        .map(|names| names.iter().filter_map(|n| n.uri()?.parse().ok()).collect())
+        .unwrap_or_default();
     if ids.len() != 1 {
         return Err(TlsError::NoSpiffeId);
     }
     Ok(ids.remove(0))
-}
-
-fn leaf_der(ctx: &X509StoreContextRef) -> Option<Vec<u8>> {
-    ctx.current_cert().and_then(|c| c.to_der().ok())
 }
 
 /// Where a connection's verify callback leaves the reason it refused the peer's certificate.
@@ -140,7 +140,7 @@ fn check_leaf(
     if ctx.error_depth() != 0 {
         return true;
     }
-    let r = leaf_der(ctx).ok_or(TlsError::NoPeerCert).and_then(|d| peer_identity_of(&d));
+    let r = ctx.current_cert().ok_or(TlsError::NoPeerCert).and_then(peer_identity_of);
     match r.and_then(|id| accept(&id)) {
         Ok(()) => true,
         Err(e) => {
@@ -365,11 +365,8 @@ impl TlsProvider {
                 let (Some(sessions), Some(key)) = (sessions.upgrade(), resume::key_of(ssl)) else {
                     return;
                 };
-                let server_left = ssl
-                    .peer_certificate()
-                    .and_then(|c| c.to_der().ok())
-                    .map(|d| resume::remaining_of_der(&d))
-                    .unwrap_or_default();
+                let server_left =
+                    ssl.peer_certificate().map(|c| resume::remaining_of(&c)).unwrap_or_default();
                 let valid_for = Duration::from_secs(u64::from(session.timeout()))
                     .min(server_left)
                     .min(resume::remaining(own_not_after))
@@ -448,13 +445,13 @@ impl TlsProvider {
                     .accept()
                     .await
                     .map_err(|e| handshake_error(&e, &refusal))?;
-                let der = peer_cert_der(s.ssl())?;
-                let peer = peer_identity_of(&der)?;
+                let cert = s.ssl().peer_certificate().ok_or(TlsError::NoPeerCert)?;
+                let peer = peer_identity_of(&cert)?;
                 if s.ssl().session_reused() {
                     // No certificate was verified in this handshake: the session's must still
                     // pass the same checks.
                     in_trust_domain(&peer, &self.trust_domain)?;
-                    still_valid(&der)?;
+                    still_valid(&cert)?;
                 }
                 Ok((s, peer))
             })
@@ -522,15 +519,15 @@ impl TlsProvider {
                 if s.ssl().session_reused() {
                     // The server proved it holds the session's secret, not a certificate: the
                     // session's certificate must still be the expected identity, and valid.
-                    let der = peer_cert_der(s.ssl())?;
-                    let got = peer_identity_of(&der)?;
+                    let cert = s.ssl().peer_certificate().ok_or(TlsError::NoPeerCert)?;
+                    let got = peer_identity_of(&cert)?;
                     if got != *expected {
                         return Err(TlsError::WrongIdentity {
                             got: got.to_string(),
                             want: expected.to_string(),
                         });
                     }
-                    still_valid(&der)?;
+                    still_valid(&cert)?;
                 }
                 Ok(s)
             })
@@ -556,11 +553,6 @@ fn log_done(side: &'static str, ssl: &boring::ssl::SslRef, peer: &Identity) {
     );
 }
 
-/// The peer's leaf certificate, DER (from the session when it was resumed).
-fn peer_cert_der(ssl: &boring::ssl::SslRef) -> Result<Vec<u8>, TlsError> {
-    ssl.peer_certificate().ok_or(TlsError::NoPeerCert)?.to_der().map_err(TlsError::from)
-}
-
 fn in_trust_domain(id: &Identity, td: &str) -> Result<(), TlsError> {
     if id.trust_domain == td {
         Ok(())
@@ -570,8 +562,8 @@ fn in_trust_domain(id: &Identity, td: &str) -> Result<(), TlsError> {
 }
 
 /// A resumed session's certificate must not have expired since it was verified.
-fn still_valid(der: &[u8]) -> Result<(), TlsError> {
-    if resume::remaining_of_der(der).is_zero() {
+fn still_valid(cert: &X509Ref) -> Result<(), TlsError> {
+    if resume::remaining_of(cert).is_zero() {
         return Err(TlsError::Untrusted("the resumed session's certificate has expired".into()));
     }
     Ok(())
@@ -579,8 +571,7 @@ fn still_valid(der: &[u8]) -> Result<(), TlsError> {
 
 /// While verifying the client's leaf: tickets for this session live no longer than it.
 fn cap_ticket_lifetime(ctx: &X509StoreContextRef) {
-    let left =
-        ctx.current_cert().and_then(|c| c.to_der().ok()).map(|d| resume::remaining_of_der(&d));
+    let left = ctx.current_cert().map(resume::remaining_of);
     let ssl = X509StoreContext::ssl_idx().ok().and_then(|i| ctx.ex_data(i));
     if let (Some(left), Some(ssl)) = (left, ssl) {
         resume::cap_lifetime(ssl, left);
@@ -688,5 +679,72 @@ fn handshake_error_text<S>(e: &tokio_boring::HandshakeError<S>) -> String {
     match e.as_io_error() {
         Some(io) => format!("{io}"),
         None => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use boring::asn1::Asn1Time;
+    use boring::x509::extension::SubjectAlternativeName;
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    /// A self-signed EC certificate with these URI SANs, valid from `from` to `to` seconds
+    /// relative to now.
+    fn cert(uris: &[&str], from: i64, to: i64) -> X509 {
+        use boring::{ec, hash::MessageDigest, nid::Nid, pkey::PKey};
+        let group = ec::EcGroup::from_curve_name(Nid::X9_62_PRIME256V1).unwrap();
+        let key = PKey::from_ec_key(ec::EcKey::generate(&group).unwrap()).unwrap();
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs() as i64;
+        let mut b = X509::builder().unwrap();
+        b.set_version(2).unwrap();
+        b.set_pubkey(&key).unwrap();
+        b.set_not_before(&Asn1Time::from_unix((now + from) as _).unwrap()).unwrap();
+        b.set_not_after(&Asn1Time::from_unix((now + to) as _).unwrap()).unwrap();
+        if !uris.is_empty() {
+            let mut san = SubjectAlternativeName::new();
+            for u in uris {
+                san.uri(u);
+            }
+            let ext = san.build(&b.x509v3_context(None, None)).unwrap();
+            b.append_extension(&ext).unwrap();
+        }
+        b.sign(&key, MessageDigest::sha256()).unwrap();
+        b.build()
+    }
+
+    const ID: &str = "spiffe://cluster.local/ns/default/sa/client";
+
+    #[test]
+    fn a_peer_has_exactly_one_spiffe_id_read_from_the_parsed_certificate() {
+        let id = peer_identity_of(&cert(&[ID], -60, 3600)).unwrap();
+        assert_eq!(id.to_string(), ID);
+        // URIs that are not SPIFFE ids do not count; they do not make it ambiguous either.
+        let id = peer_identity_of(&cert(&["https://example.com/x", ID], -60, 3600)).unwrap();
+        assert_eq!(id.to_string(), ID);
+        let two = cert(&[ID, "spiffe://cluster.local/ns/default/sa/other"], -60, 3600);
+        assert!(matches!(peer_identity_of(&two), Err(TlsError::NoSpiffeId)));
+        assert!(matches!(peer_identity_of(&cert(&[], -60, 3600)), Err(TlsError::NoSpiffeId)));
+        // The same answer as the DER path the rest of the code uses.
+        let der = cert(&[ID], -60, 3600).to_der().unwrap();
+        assert_eq!(spiffe_ids_of(&der).unwrap(), vec![id]);
+    }
+
+    #[test]
+    fn time_left_counts_to_not_after_and_is_zero_outside_the_validity() {
+        let within = |d: Duration, lo: u64, hi: u64| {
+            assert!((lo..=hi).contains(&d.as_secs()), "{d:?} not in {lo}..={hi} s");
+        };
+        within(resume::remaining_of(&cert(&[ID], -60, 3600)), 3590, 3600);
+        // Days and seconds both count.
+        within(
+            resume::remaining_of(&cert(&[ID], -60, 3 * 86_400 + 100)),
+            3 * 86_400 + 90,
+            3 * 86_400 + 100,
+        );
+        assert_eq!(resume::remaining_of(&cert(&[ID], -3600, -60)), Duration::ZERO, "expired");
+        assert_eq!(resume::remaining_of(&cert(&[ID], 600, 3600)), Duration::ZERO, "not yet valid");
+        assert!(still_valid(&cert(&[ID], -3600, -1)).is_err());
+        assert!(still_valid(&cert(&[ID], -60, 60)).is_ok());
     }
 }

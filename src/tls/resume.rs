@@ -25,8 +25,10 @@ use std::net::SocketAddr;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant, SystemTime};
 
+use boring::asn1::Asn1Time;
 use boring::ex_data::Index;
 use boring::ssl::{Ssl, SslContextBuilder, SslRef, SslSession};
+use boring::x509::X509Ref;
 
 use crate::identity::Identity;
 
@@ -182,15 +184,21 @@ pub fn remaining(not_after: SystemTime) -> Duration {
     not_after.duration_since(SystemTime::now()).unwrap_or_default()
 }
 
-/// Time left on a DER certificate (zero when expired or unreadable).
-pub fn remaining_of_der(der: &[u8]) -> Duration {
-    use x509_parser::prelude::*;
-    let Ok((_, cert)) = X509Certificate::from_der(der) else { return Duration::ZERO };
-    if !cert.validity().is_valid() {
+/// Time left on a certificate: zero when it has expired, is not valid yet, or its times cannot
+/// be read. Read from BoringSSL's parse (no re-encoding, no second parser on the handshake path).
+pub fn remaining_of(cert: &X509Ref) -> Duration {
+    let Ok(now) = Asn1Time::days_from_now(0) else { return Duration::ZERO };
+    // `a.diff(b)` is b − a.
+    let since_start = match now.diff(cert.not_before()) {
+        Ok(d) => -(i64::from(d.days) * 86_400 + i64::from(d.secs)),
+        Err(_) => return Duration::ZERO,
+    };
+    let left = match now.diff(cert.not_after()) {
+        Ok(d) => i64::from(d.days) * 86_400 + i64::from(d.secs),
+        Err(_) => return Duration::ZERO,
+    };
+    if since_start < 0 || left <= 0 {
         return Duration::ZERO;
     }
-    cert.validity()
-        .time_to_expiration()
-        .and_then(|d| Duration::try_from(d).ok())
-        .unwrap_or_default()
+    Duration::from_secs(left as u64)
 }
