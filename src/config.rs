@@ -441,7 +441,6 @@ impl Config {
         }
     }
 
-    /// Cross-field checks.
     /// Whole CPUs the proxy may use: `cpu_limit`, else the detected quota.
     pub fn cpus(&self) -> usize {
         match self.cpu_limit {
@@ -476,6 +475,7 @@ impl Config {
         }
     }
 
+    /// Cross-field checks.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.node_name.is_empty() {
