@@ -12,6 +12,7 @@ pub mod grpc;
 pub mod hbone;
 pub mod identity;
 pub mod inpod;
+pub mod logbuf;
 pub mod mb;
 pub mod metrics;
 pub mod net;

@@ -422,28 +422,39 @@ fn parse_pod(s: &str) -> Result<(String, PathBuf), String> {
 
 type FilterHandle = reload::Handle<EnvFilter, tracing_subscriber::Registry>;
 
-fn init_logging(format: LogFormat, level: &str) -> anyhow::Result<FilterHandle> {
+/// Logging for `run`: events go to stderr in batches written by a thread of their own
+/// ([`mbtunnel::logbuf`]); the guard writes what is left when `run` returns.
+fn init_logging(
+    format: LogFormat,
+    level: &str,
+) -> anyhow::Result<(FilterHandle, mbtunnel::logbuf::LogGuard)> {
+    use mbtunnel::logbuf::BatchWriter;
     let filter =
         EnvFilter::try_new(level).with_context(|| format!("invalid log filter '{level}'"))?;
     let (filter, handle) = reload::Layer::new(filter);
+    let (writer, guard) =
+        BatchWriter::new(Box::new(std::io::stderr())).context("starting the log writer")?;
+    // A panic's message goes straight to stderr: write the lines logged before it first.
+    let w = writer.clone();
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        w.flush_now();
+        previous(info)
+    }));
     let reg = tracing_subscriber::registry().with(filter);
     match format {
         LogFormat::Json => reg
             .with(
-                tracing_subscriber::fmt::layer()
-                    .json()
-                    .with_current_span(true)
-                    .with_writer(std::io::stderr),
+                tracing_subscriber::fmt::layer().json().with_current_span(true).with_writer(writer),
             )
             .init(),
         LogFormat::Text => {
             use std::io::IsTerminal;
             let ansi = std::io::stderr().is_terminal();
-            reg.with(tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(std::io::stderr))
-                .init()
+            reg.with(tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer)).init()
         }
     }
-    Ok(handle)
+    Ok((handle, guard))
 }
 
 fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
@@ -529,7 +540,7 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
 }
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
-    let handle = init_logging(cfg.log_format, &cfg.log_level)?;
+    let (handle, _log) = init_logging(cfg.log_format, &cfg.log_level)?;
     tracing::info!(
         worker_threads = cfg.runtime_workers(),
         cpus = cfg.cpus(),
