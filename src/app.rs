@@ -222,6 +222,9 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         admin: admin_l.local_addr()?,
     };
     let drain = Drain::default();
+    let workers = Arc::new(
+        proxy::Workers::start(cfg.runtime_workers()).context("starting the worker threads")?,
+    );
     let ctx = Arc::new(Ctx {
         state: state.clone(),
         tls,
@@ -234,6 +237,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         pending: proxy::PendingHandshakes::new(limits.max_pending_handshakes, metrics.clone()),
         metrics,
         limits,
+        workers,
     });
     if ebpf.is_some() {
         // HBONE to a pod of this node stays in the process: dialled, it would leave the node's
@@ -258,6 +262,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         out_l,
         drain.clone(),
         ctx.metrics.clone(),
+        ctx.workers.clone(),
         move |s, p| proxy::outbound::handle(c.clone(), s, p, None, None),
     )));
     let c = ctx.clone();
@@ -266,6 +271,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         in_l,
         drain.clone(),
         ctx.metrics.clone(),
+        ctx.workers.clone(),
         move |s, p| proxy::inbound::handle_hbone(c.clone(), s, p, None),
     )));
     let c = ctx.clone();
@@ -274,6 +280,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         pt_l,
         drain.clone(),
         ctx.metrics.clone(),
+        ctx.workers.clone(),
         move |s, p| proxy::inbound::handle_plaintext(c.clone(), s, p, None),
     )));
 
@@ -475,6 +482,7 @@ impl Running {
         for t in self.tasks {
             t.abort();
         }
+        self.ctx.workers.stop();
         left
     }
 }

@@ -159,7 +159,8 @@ pub struct Config {
     pub signer_threads: usize,
     /// Whole CPUs the proxy may use; 0 = the process's CPU quota as detected.
     pub cpu_limit: usize,
-    /// Worker threads that run the proxy's connections; 0 = `cpu_limit` (or the detected quota).
+    /// Worker threads that run the proxy's connections (each a single-threaded runtime that keeps
+    /// a connection's tasks together); 0 = `cpu_limit` (or the detected quota).
     pub worker_threads: usize,
     /// How long an idle signer thread may wait for a fuller batch, in microseconds (0 = never).
     pub signer_max_wait_us: u64,
@@ -449,7 +450,7 @@ impl Config {
         }
     }
 
-    /// Worker threads for the proxy's runtime: `worker_threads`, else one per CPU of [`cpus`].
+    /// Connection worker threads: `worker_threads`, else one per CPU of [`cpus`].
     ///
     /// [`cpus`]: Config::cpus
     pub fn runtime_workers(&self) -> usize {

@@ -544,7 +544,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     tracing::info!(
         worker_threads = cfg.runtime_workers(),
         cpus = cfg.cpus(),
-        "proxy runtime started (worker_threads, cpu_limit)"
+        "starting: connection worker threads and the CPUs they follow"
     );
     let ctl: mbtunnel::admin::LogControl = Arc::new(move |level: &str| {
         let f = EnvFilter::try_new(level).map_err(|e| e.to_string())?;
@@ -664,11 +664,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run(a) => {
             mbtunnel::net::sys::tune_allocator();
             let cfg = load_config(&a)?;
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(cfg.runtime_workers())
-                .enable_all()
-                .build()?
-                .block_on(run(cfg))
+            // Connections run on worker threads of their own (`proxy::Workers`); this runtime
+            // accepts and runs the control plane.
+            tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(run(cfg))
         }
         Cmd::Tool(t) => tokio::runtime::Runtime::new()?.block_on(tool(t)),
     }

@@ -158,6 +158,7 @@ impl InPod {
                     l,
                     drain,
                     ctx.metrics.clone(),
+                    ctx.workers.clone(),
                     move |s, p| {
                         proxy::outbound::handle(
                             ctx.clone(),
@@ -173,6 +174,7 @@ impl InPod {
                     l,
                     drain,
                     ctx.metrics.clone(),
+                    ctx.workers.clone(),
                     move |s, p| proxy::inbound::handle_hbone(ctx.clone(), s, p, Some(ns.clone())),
                 )),
                 _ => tokio::spawn(proxy::accept_loop(
@@ -180,6 +182,7 @@ impl InPod {
                     l,
                     drain,
                     ctx.metrics.clone(),
+                    ctx.workers.clone(),
                     move |s, p| {
                         proxy::inbound::handle_plaintext(ctx.clone(), s, p, Some(ns.clone()))
                     },

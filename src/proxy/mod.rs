@@ -4,6 +4,9 @@
 
 pub mod inbound;
 pub mod outbound;
+pub mod workers;
+
+pub use workers::Workers;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,6 +37,8 @@ pub struct Ctx {
     pub limits: crate::net::Limits,
     /// Inbound HBONE connections still in their TLS handshake (all 15008 listeners).
     pub pending: Arc<PendingHandshakes>,
+    /// The threads connections run on.
+    pub workers: Arc<Workers>,
 }
 
 impl Ctx {
@@ -558,17 +563,19 @@ pub async fn accept_backing_off(
     }
 }
 
-/// Accepts on `listener` until drain, spawning `handle` per connection.
+/// Accepts on `listener` until drain, running `handle` per connection on the next of `workers`.
 pub async fn accept_loop<F, Fut>(
     name: &'static str,
     listener: tokio::net::TcpListener,
     drain: Drain,
     metrics: Arc<Metrics>,
+    workers: Arc<Workers>,
     handle: F,
 ) where
-    F: Fn(tokio::net::TcpStream, SocketAddr) -> Fut,
+    F: Fn(tokio::net::TcpStream, SocketAddr) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    let handle = Arc::new(handle);
     let errors = metrics.accept_error_counter(name);
     let (mut backoff, mut last_log) = (Duration::ZERO, None);
     loop {
@@ -581,7 +588,9 @@ pub async fn accept_loop<F, Fut>(
             (s, peer) = accept_backing_off(name, &listener, &errors, &mut backoff, &mut last_log) => {
                 let _ = s.set_nodelay(true);
                 // A dual-stack listener reports IPv4 peers as ::ffff:a.b.c.d.
-                tokio::spawn(handle(s, crate::net::socket::canonical(peer)));
+                let peer = crate::net::socket::canonical(peer);
+                let handle = handle.clone();
+                workers.spawn_conn(s, move |s| handle(s, peer));
             }
         }
     }
