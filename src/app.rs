@@ -223,7 +223,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     };
     let drain = Drain::default();
     let workers = Arc::new(
-        proxy::Workers::start(cfg.runtime_workers()).context("starting the worker threads")?,
+        crate::net::Workers::start(cfg.runtime_workers()).context("starting the worker threads")?,
     );
     let ctx = Arc::new(Ctx {
         state: state.clone(),
@@ -257,32 +257,32 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let mut tasks = Vec::new();
 
     let c = ctx.clone();
-    tasks.push(tokio::spawn(proxy::accept_loop(
+    tasks.push(proxy::spawn_accept_loop(
         "outbound",
         out_l,
         drain.clone(),
         ctx.metrics.clone(),
         ctx.workers.clone(),
         move |s, p| proxy::outbound::handle(c.clone(), s, p, None, None),
-    )));
+    ));
     let c = ctx.clone();
-    tasks.push(tokio::spawn(proxy::accept_loop(
+    tasks.push(proxy::spawn_accept_loop(
         "inbound",
         in_l,
         drain.clone(),
         ctx.metrics.clone(),
         ctx.workers.clone(),
         move |s, p| proxy::inbound::handle_hbone(c.clone(), s, p, None),
-    )));
+    ));
     let c = ctx.clone();
-    tasks.push(tokio::spawn(proxy::accept_loop(
+    tasks.push(proxy::spawn_accept_loop(
         "inbound_plaintext",
         pt_l,
         drain.clone(),
         ctx.metrics.clone(),
         ctx.workers.clone(),
         move |s, p| proxy::inbound::handle_plaintext(c.clone(), s, p, None),
-    )));
+    ));
 
     let xds_ready = match &xds {
         Some(x) => {

@@ -664,8 +664,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Run(a) => {
             mbtunnel::net::sys::tune_allocator();
             let cfg = load_config(&a)?;
-            // Connections run on worker threads of their own (`proxy::Workers`); this runtime
-            // accepts and runs the control plane.
+            // Listeners and connections run on worker threads of their own (`net::Workers`);
+            // this runtime runs the control plane.
             tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(run(cfg))
         }
         Cmd::Tool(t) => tokio::runtime::Runtime::new()?.block_on(tool(t)),

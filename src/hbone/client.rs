@@ -118,18 +118,23 @@ pub async fn connect(
 /// connection, given back when the tunnel is dropped.
 pub struct Tunnel {
     io: H2Stream,
-    _lease: super::pool::Lease,
+    lease: super::pool::Lease,
 }
 
 impl Tunnel {
     pub(super) fn new(io: H2Stream, lease: super::pool::Lease) -> Tunnel {
-        Tunnel { io, _lease: lease }
+        Tunnel { io, lease }
     }
 
     /// Ends the tunnel abnormally (its client connection was reset or cut): the far side resets
     /// its upstream connection instead of closing it cleanly.
     pub fn reset(&mut self) {
         self.io.reset();
+    }
+
+    /// The worker thread its HBONE connection runs on (see [`crate::net::workers`]).
+    pub fn home(&self) -> Option<usize> {
+        self.lease.home()
     }
 
     /// The `CONNECT` stream itself (for chunked, copy-free I/O).

@@ -46,11 +46,20 @@ struct Conn {
     streams: AtomicUsize,
     /// When the last tunnel on it closed (or when it opened).
     idle_since: Mutex<Instant>,
+    /// The worker thread it was opened on, where its h2 task runs ([`crate::net::workers`]).
+    home: Option<usize>,
 }
 
 /// A tunnel's claim on a stream slot of a pooled connection.
 pub struct Lease {
     conn: Arc<Conn>,
+}
+
+impl Lease {
+    /// The worker thread the connection's h2 task runs on, if it was opened on one.
+    pub fn home(&self) -> Option<usize> {
+        self.conn.home
+    }
 }
 
 impl Drop for Lease {
@@ -246,6 +255,7 @@ impl Pool {
             sender,
             streams: AtomicUsize::new(1),
             idle_since: Mutex::new(Instant::now()),
+            home: crate::net::workers::current(),
         });
         kp.conns.lock().unwrap().push(conn.clone());
         self.size.fetch_add(1, Ordering::AcqRel);

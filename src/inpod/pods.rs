@@ -153,7 +153,7 @@ impl InPod {
             let pod_uid = pod_uid.clone();
             let drain = ctx.drain.clone();
             listeners.push(match port {
-                OUTBOUND_PORT => tokio::spawn(proxy::accept_loop(
+                OUTBOUND_PORT => proxy::spawn_accept_loop(
                     "pod_outbound",
                     l,
                     drain,
@@ -168,16 +168,16 @@ impl InPod {
                             Some(pod_uid.clone()),
                         )
                     },
-                )),
-                INBOUND_PORT => tokio::spawn(proxy::accept_loop(
+                ),
+                INBOUND_PORT => proxy::spawn_accept_loop(
                     "pod_inbound",
                     l,
                     drain,
                     ctx.metrics.clone(),
                     ctx.workers.clone(),
                     move |s, p| proxy::inbound::handle_hbone(ctx.clone(), s, p, Some(ns.clone())),
-                )),
-                _ => tokio::spawn(proxy::accept_loop(
+                ),
+                _ => proxy::spawn_accept_loop(
                     "pod_inbound_plaintext",
                     l,
                     drain,
@@ -186,7 +186,7 @@ impl InPod {
                     move |s, p| {
                         proxy::inbound::handle_plaintext(ctx.clone(), s, p, Some(ns.clone()))
                     },
-                )),
+                ),
             });
         }
         tracing::info!(uid, workload = %w.name, identity = %id, netns = %netns.id(), ips = ?w.ips,

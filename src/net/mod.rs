@@ -1,12 +1,15 @@
 //! The socket layer every other module stands on: socket options, listen and dial (with marks,
 //! transparent source addresses and timeouts), original-destination recovery, and network
-//! namespaces (a thread inside a pod's namespace that makes its sockets). Imports nothing of the
-//! proxy's own.
+//! namespaces (a thread inside a pod's namespace that makes its sockets), and the worker threads
+//! connections run on. Imports nothing of the proxy's own.
 
 pub mod io;
 pub mod netns;
 pub mod socket;
 pub mod sys;
+pub mod workers;
+
+pub use workers::Workers;
 
 use std::time::Duration;
 

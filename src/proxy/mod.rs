@@ -4,9 +4,6 @@
 
 pub mod inbound;
 pub mod outbound;
-pub mod workers;
-
-pub use workers::Workers;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -17,6 +14,7 @@ use tokio::sync::{watch, Notify};
 
 use crate::hbone::Pool;
 use crate::metrics::{ConnLabels, Metrics};
+use crate::net::Workers;
 use crate::state::State;
 use crate::tls::TlsProvider;
 
@@ -561,6 +559,24 @@ pub async fn accept_backing_off(
             }
         }
     }
+}
+
+/// Accepts on `listener` until drain, on one of `workers`, running `handle` per connection on
+/// the next of them.
+pub fn spawn_accept_loop<F, Fut>(
+    name: &'static str,
+    listener: tokio::net::TcpListener,
+    drain: Drain,
+    metrics: Arc<Metrics>,
+    workers: Arc<Workers>,
+    handle: F,
+) -> tokio::task::JoinHandle<()>
+where
+    F: Fn(tokio::net::TcpStream, SocketAddr) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let w = workers.clone();
+    w.spawn_listener(name, listener, move |l| accept_loop(name, l, drain, metrics, workers, handle))
 }
 
 /// Accepts on `listener` until drain, running `handle` per connection on the next of `workers`.

@@ -9,7 +9,7 @@ use tracing::Instrument;
 
 use super::{drain_cut, relay, reset_on_close, ConnRecord, Ctx};
 use crate::hbone::HboneError;
-use crate::hbone::{ConnectHeaders, PoolKey};
+use crate::hbone::{ConnectHeaders, PoolKey, Tunnel};
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
 use crate::net::netns::Netns;
 use crate::net::socket::{destination, dial, original_dst};
@@ -126,9 +126,7 @@ pub async fn handle(
                     ),
                 };
                 match ctx.pool.tunnel(&key, upstream.target, &headers, netns.as_deref()).await {
-                    Ok(mut tunnel) => {
-                        rec.finish(relay(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await)
-                    }
+                    Ok(tunnel) => relay_beside(&ctx, client, tunnel, rec).await,
                     Err(HboneError::Status(http::StatusCode::UNAUTHORIZED)) => {
                         reset_on_close(&client);
                         ctx.metrics.refuse("denied_by_destination");
@@ -159,4 +157,37 @@ pub async fn handle(
     }
     .instrument(span)
     .await
+}
+
+/// Relays `client` through `tunnel` on the worker thread that runs the tunnel's HBONE
+/// connection: when that is another worker than this one, the client socket and the record move
+/// there, so that the relay and the h2 task it feeds never wake each other across threads. This
+/// task then only waits for the end.
+async fn relay_beside(ctx: &Arc<Ctx>, client: TcpStream, tunnel: Tunnel, rec: ConnRecord) {
+    let home = tunnel.home().filter(|h| Some(*h) != crate::net::workers::current());
+    let Some(rt) = home.and_then(|h| ctx.workers.handle(h)) else {
+        let (mut client, mut tunnel) = (client, tunnel);
+        return rec.finish(relay(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await);
+    };
+    let std = match client.into_std() {
+        Ok(s) => s,
+        Err(e) => return rec.close(0, 0, Err(format!("moving the connection to a worker: {e}"))),
+    };
+    let ctx = ctx.clone();
+    let moved = rt.spawn(
+        async move {
+            let mut tunnel = tunnel;
+            match TcpStream::from_std(std) {
+                Ok(mut client) => {
+                    rec.finish(relay(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await)
+                }
+                Err(e) => {
+                    tunnel.reset();
+                    rec.close(0, 0, Err(format!("moving the connection to a worker: {e}")))
+                }
+            }
+        }
+        .in_current_span(),
+    );
+    let _ = moved.await;
 }

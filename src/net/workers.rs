@@ -5,8 +5,11 @@
 //! tasks drift between workers, and every hop between them is a thread wake-up (measured on the
 //! data-plane bench: ~25k context switches per 5 s stream on the client side against ztunnel's
 //! ~4k). Here a connection is handed, once, to one worker thread, chosen in turn, and every task
-//! it spawns (h2 connection, CONNECT streams) stays on that thread. Accept loops and the control
-//! plane stay on the main runtime; the hand-off costs one wake-up per connection.
+//! it spawns (h2 connection, CONNECT streams) stays on that thread. Accept loops run on workers
+//! too ([`Workers::spawn_listener`]; a connection handed to another worker costs one wake-up),
+//! the control plane on the main thread's runtime. A tunnel on a
+//! pooled HBONE connection that another worker opened moves to that worker ([`current`],
+//! [`Workers::handle`]), so the relay and the h2 connection it uses share a thread too.
 #![forbid(unsafe_code)]
 
 use std::future::Future;
@@ -16,6 +19,15 @@ use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
+
+thread_local! {
+    static CURRENT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// The index of the worker the calling thread is, if it is one.
+pub fn current() -> Option<usize> {
+    CURRENT.with(|c| c.get())
+}
 
 /// Worker runtimes, each on a thread of its own, used in turn.
 pub struct Workers {
@@ -36,6 +48,7 @@ impl Workers {
             let (stop, stopped) = oneshot::channel::<()>();
             stops.push(stop);
             std::thread::Builder::new().name(format!("mbt-worker-{i}")).spawn(move || {
+                CURRENT.with(|c| c.set(Some(i)));
                 let _ = rt.block_on(stopped);
                 // Connections still open here were cut by the drain already; do not wait on
                 // blocking work left behind.
@@ -55,25 +68,34 @@ impl Workers {
         self.handles.is_empty()
     }
 
-    /// The next worker in turn, if there are workers.
-    pub fn pick(&self) -> Option<&Handle> {
+    /// Worker `i`'s runtime.
+    pub fn handle(&self, i: usize) -> Option<&Handle> {
+        self.handles.get(i)
+    }
+
+    /// The next worker in turn, if there are workers, and whether it is the calling thread.
+    pub fn pick(&self) -> Option<(usize, &Handle)> {
         if self.handles.is_empty() {
             return None;
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed) % self.handles.len();
-        Some(&self.handles[i])
+        Some((i, &self.handles[i]))
     }
 
     /// Runs `make(stream)` on the next worker: the accepted socket leaves this runtime's I/O
-    /// driver and joins the worker's. Without workers it runs here.
+    /// driver and joins the worker's. Without workers, or when the next worker is this thread,
+    /// it runs here.
     pub fn spawn_conn<F, Fut>(&self, s: tokio::net::TcpStream, make: F)
     where
         F: FnOnce(tokio::net::TcpStream) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let Some(rt) = self.pick() else {
-            tokio::spawn(make(s));
-            return;
+        let rt = match self.pick() {
+            Some((i, rt)) if current() != Some(i) => rt,
+            _ => {
+                tokio::spawn(make(s));
+                return;
+            }
         };
         let std = match s.into_std() {
             Ok(std) => std,
@@ -88,6 +110,38 @@ impl Workers {
                 Err(e) => tracing::warn!(error = %e, "worker could not take a connection"),
             }
         });
+    }
+
+    /// Runs `serve(listener)` (an accept loop) on the next worker, so that accepting takes no
+    /// thread of its own and a connection that stays on that worker needs no hand-off. Without
+    /// workers it runs here.
+    pub fn spawn_listener<F, Fut>(
+        &self,
+        name: &'static str,
+        l: tokio::net::TcpListener,
+        serve: F,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        F: FnOnce(tokio::net::TcpListener) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let Some((_, rt)) = self.pick() else {
+            return tokio::spawn(serve(l));
+        };
+        match l.into_std() {
+            Ok(std) => rt.spawn(async move {
+                match tokio::net::TcpListener::from_std(std) {
+                    Ok(l) => serve(l).await,
+                    Err(e) => tracing::error!(listener = name, error = %e,
+                        "listener could not move to a worker: not accepting"),
+                }
+            }),
+            Err(e) => {
+                tracing::error!(listener = name, error = %e,
+                    "listener could not leave the main runtime: not accepting");
+                tokio::spawn(async {})
+            }
+        }
     }
 
     /// Stops every worker thread; tasks still on them are dropped.
@@ -119,6 +173,7 @@ mod tests {
             let tx = tx.clone();
             workers.spawn_conn(s, move |mut s| async move {
                 let here = std::thread::current().name().map(str::to_owned);
+                assert_eq!(here, current().map(|i| format!("mbt-worker-{i}")));
                 // A task the connection spawns runs on the same thread.
                 let inner =
                     tokio::spawn(async { std::thread::current().name().map(str::to_owned) })
@@ -144,6 +199,38 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn an_accept_loop_runs_on_a_worker_and_hands_connections_on_in_turn() {
+        let workers = std::sync::Arc::new(Workers::start(2).unwrap());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let w = workers.clone();
+        let _l = workers.spawn_listener("test", listener, move |l| async move {
+            tx.send(("accept", current())).unwrap();
+            loop {
+                let (s, _) = l.accept().await.unwrap();
+                let tx = tx.clone();
+                w.spawn_conn(s, move |_s| async move {
+                    tx.send(("conn", current())).unwrap();
+                });
+            }
+        });
+        assert_eq!(rx.recv().await.unwrap(), ("accept", Some(0)));
+        let mut conns = Vec::new();
+        for _ in 0..4 {
+            conns.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+            conns.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let mut on = [0; 2];
+        for _ in 0..8 {
+            let (what, w) = rx.recv().await.unwrap();
+            assert_eq!(what, "conn");
+            on[w.unwrap()] += 1;
+        }
+        assert_eq!(on, [4, 4], "connections not spread in turn");
+    }
+
+    #[tokio::test]
     async fn without_workers_connections_run_where_they_were_accepted() {
         let workers = Workers::start(0).unwrap();
         assert!(workers.is_empty());
@@ -158,5 +245,6 @@ mod tests {
         let mut b = [0u8; 2];
         c.read_exact(&mut b).await.unwrap();
         assert_eq!(rx.await.unwrap(), std::thread::current().name().map(str::to_owned));
+        assert_eq!(current(), None);
     }
 }
