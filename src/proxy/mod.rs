@@ -576,40 +576,27 @@ where
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     let w = workers.clone();
-    w.spawn_listener(name, listener, move |l| accept_loop(name, l, drain, metrics, workers, handle))
-}
-
-/// Accepts on `listener` until drain, running `handle` per connection on the next of `workers`.
-pub async fn accept_loop<F, Fut>(
-    name: &'static str,
-    listener: tokio::net::TcpListener,
-    drain: Drain,
-    metrics: Arc<Metrics>,
-    workers: Arc<Workers>,
-    handle: F,
-) where
-    F: Fn(tokio::net::TcpStream, SocketAddr) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let handle = Arc::new(handle);
-    let errors = metrics.accept_error_counter(name);
-    let (mut backoff, mut last_log) = (Duration::ZERO, None);
-    loop {
-        tokio::select! {
-            biased;
-            _ = drain.signaled() => {
-                tracing::info!(listener = name, "draining: stopped accepting");
-                return;
-            }
-            (s, peer) = accept_backing_off(name, &listener, &errors, &mut backoff, &mut last_log) => {
-                let _ = s.set_nodelay(true);
-                // A dual-stack listener reports IPv4 peers as ::ffff:a.b.c.d.
-                let peer = crate::net::socket::canonical(peer);
-                let handle = handle.clone();
-                workers.spawn_conn(s, move |s| handle(s, peer));
+    w.spawn_listener(name, listener, move |listener| async move {
+        let handle = Arc::new(handle);
+        let errors = metrics.accept_error_counter(name);
+        let (mut backoff, mut last_log) = (Duration::ZERO, None);
+        loop {
+            tokio::select! {
+                biased;
+                _ = drain.signaled() => {
+                    tracing::info!(listener = name, "draining: stopped accepting");
+                    return;
+                }
+                (s, peer) = accept_backing_off(name, &listener, &errors, &mut backoff, &mut last_log) => {
+                    let _ = s.set_nodelay(true);
+                    // A dual-stack listener reports IPv4 peers as ::ffff:a.b.c.d.
+                    let peer = crate::net::socket::canonical(peer);
+                    let handle = handle.clone();
+                    workers.spawn_conn(s, move |s| handle(s, peer));
+                }
             }
         }
-    }
+    })
 }
 
 /// Open inbound connections with what authorization needs to re-check them when the policies
