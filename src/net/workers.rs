@@ -82,34 +82,43 @@ impl Workers {
         Some((i, &self.handles[i]))
     }
 
-    /// Runs `make(stream)` on the next worker: the accepted socket leaves this runtime's I/O
-    /// driver and joins the worker's. Without workers, or when the next worker is this thread,
-    /// it runs here.
+    /// Runs `make(stream)` on the next worker. Without workers, or when the next worker is this
+    /// thread, it runs here.
     pub fn spawn_conn<F, Fut>(&self, s: tokio::net::TcpStream, make: F)
     where
         F: FnOnce(tokio::net::TcpStream) -> Fut + Send + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let rt = match self.pick() {
-            Some((i, rt)) if current() != Some(i) => rt,
-            _ => {
-                tokio::spawn(make(s));
-                return;
-            }
-        };
-        let std = match s.into_std() {
-            Ok(std) => std,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not hand a connection to a worker");
-                return;
-            }
-        };
-        rt.spawn(async move {
-            match tokio::net::TcpStream::from_std(std) {
+        let next = self.pick().map(|(i, _)| i);
+        self.spawn_moved(next, s, move |s| async move {
+            match s {
                 Ok(s) => make(s).await,
-                Err(e) => tracing::warn!(error = %e, "worker could not take a connection"),
+                Err(e) => tracing::warn!(error = %e, "could not hand a connection to a worker"),
             }
         });
+    }
+
+    /// Runs `make` on worker `to`, with the socket moved from this runtime's I/O driver to that
+    /// worker's; here, unmoved, when `to` is this thread or no worker. `make` gets the error
+    /// instead of the socket when the move failed.
+    pub fn spawn_moved<F, Fut>(
+        &self,
+        to: Option<usize>,
+        s: tokio::net::TcpStream,
+        make: F,
+    ) -> tokio::task::JoinHandle<()>
+    where
+        F: FnOnce(std::io::Result<tokio::net::TcpStream>) -> Fut + Send + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let Some(rt) = to.filter(|i| Some(*i) != current()).and_then(|i| self.handles.get(i))
+        else {
+            return tokio::spawn(make(Ok(s)));
+        };
+        match s.into_std() {
+            Ok(std) => rt.spawn(async move { make(tokio::net::TcpStream::from_std(std)).await }),
+            Err(e) => tokio::spawn(make(Err(e))),
+        }
     }
 
     /// Runs `serve(listener)` (an accept loop) on the next worker, so that accepting takes no

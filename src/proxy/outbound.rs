@@ -165,21 +165,17 @@ pub async fn handle(
 /// task then only waits for the end.
 async fn relay_beside(ctx: &Arc<Ctx>, client: TcpStream, tunnel: Tunnel, rec: ConnRecord) {
     let home = tunnel.home().filter(|h| Some(*h) != crate::net::workers::current());
-    let Some(rt) = home.and_then(|h| ctx.workers.handle(h)) else {
+    if home.is_none() {
         let (mut client, mut tunnel) = (client, tunnel);
         return rec.finish(relay(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await);
-    };
-    let std = match client.into_std() {
-        Ok(s) => s,
-        Err(e) => return rec.close(0, 0, Err(format!("moving the connection to a worker: {e}"))),
-    };
-    let ctx = ctx.clone();
-    let moved = rt.spawn(
+    }
+    let (c, span) = (ctx.clone(), tracing::Span::current());
+    let moved = ctx.workers.spawn_moved(home, client, move |client| {
         async move {
             let mut tunnel = tunnel;
-            match TcpStream::from_std(std) {
+            match client {
                 Ok(mut client) => {
-                    rec.finish(relay(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await)
+                    rec.finish(relay(&mut client, &mut tunnel, drain_cut(&c.drain)).await)
                 }
                 Err(e) => {
                     tunnel.reset();
@@ -187,7 +183,7 @@ async fn relay_beside(ctx: &Arc<Ctx>, client: TcpStream, tunnel: Tunnel, rec: Co
                 }
             }
         }
-        .in_current_span(),
-    );
+        .instrument(span)
+    });
     let _ = moved.await;
 }
