@@ -22,7 +22,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     && cp target/dist/mbtunnel /usr/local/bin/mbtunnel \
     && strip --strip-debug /usr/local/bin/mbtunnel
 
-# Runtime stage: Debian 12 slim (the glibc and libstdc++ the binary was linked against), the binary
+# Runtime stage: Debian 12 slim (the glibc the binary was linked against; the C++ runtime BoringSSL
+# needs is linked in statically, see .cargo/config.toml), the binary
 # and nothing else: no compiler, no package lists. No ca-certificates either: the proxy trusts only
 # the mesh root it is given, never the system store.
 FROM debian:bookworm-slim AS runtime
