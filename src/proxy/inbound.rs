@@ -139,12 +139,10 @@ async fn serve_hbone_pending<S: Stream>(
                             let ctx = ctx.clone();
                             let peer_id = peer_id.clone();
                             let netns = netns.clone();
-                            tokio::spawn(
-                                async move {
-                                    serve_connect(ctx, req, respond, peer, reached, &peer_id, netns.as_deref()).await
-                                }
-                                .in_current_span(),
-                            );
+                            let span = tracing::Span::current();
+                            tokio::spawn(async move {
+                                serve_connect(ctx, req, respond, peer, reached, &peer_id, netns.as_deref(), span).await
+                            });
                         }
                         Some(Err(e)) => {
                             let kind = ctx.metrics.h2_error("server", &e);
@@ -185,16 +183,37 @@ fn status(code: StatusCode) -> Response<()> {
 /// Answers one `CONNECT`: a refusal ends the stream with its status; an accepted one is answered
 /// 200 once the upstream connection is up, then copied until either side ends. A side that ends
 /// abnormally (reset, cut, revoked) is passed on as a reset: `RST_STREAM(CONNECT_ERROR)` toward
-/// the peer, RST toward the app.
+/// the peer, RST toward the app. Set-up runs in `span` (the HBONE connection's), the relay after
+/// it outside (see `ConnRecord`).
+#[allow(clippy::too_many_arguments)]
 async fn serve_connect(
     ctx: Arc<Ctx>,
+    req: Request<RecvStream>,
+    respond: SendResponse<Bytes>,
+    peer: SocketAddr,
+    reached: SocketAddr,
+    peer_id: &Identity,
+    netns: Option<&Netns>,
+    span: tracing::Span,
+) {
+    let ready =
+        accept_connect(&ctx, req, respond, peer, reached, peer_id, netns).instrument(span).await;
+    if let Some((mut tunnel, mut upstream, tracked, rec)) = ready {
+        rec.finish(copy_until_revoked(&mut tunnel, &mut upstream, tracked, &ctx.drain).await);
+    }
+}
+
+/// `serve_connect`'s checks, dial and answer: the two legs and their records when the CONNECT
+/// was accepted.
+async fn accept_connect(
+    ctx: &Arc<Ctx>,
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
     peer: SocketAddr,
     reached: SocketAddr,
     peer_id: &Identity,
     netns: Option<&Netns>,
-) {
+) -> Option<(H2Stream, TcpStream, crate::proxy::Registered, ConnRecord)> {
     let mut answer = |code: StatusCode| {
         if let Err(e) = respond.send_response(status(code), true) {
             tracing::debug!(error = %e, "CONNECT answer not sent: stream gone");
@@ -209,33 +228,40 @@ async fn serve_connect(
     let (target, dst_wl) =
         match check_connect(&req, reached, own_ports, |ip| ctx.state.local_workload_by_ip(ip)) {
             Ok(x) => x,
-            Err(e) => return refuse(e, &mut answer),
+            Err(e) => {
+                refuse(e, &mut answer);
+                return None;
+            }
         };
     let src_wl = ctx.state.workload_by_ip(peer.ip());
     let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
         .with_source(src_wl.as_deref(), Some(peer_id.to_string()))
         .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
     // Authorization, before the app is dialled: a denial answers 401 on this stream only.
-    if let Err(reason) = authorize(&ctx, &dst_wl, Some(peer_id), peer.ip(), target) {
-        ConnRecord::denied(&ctx, peer, target, labels, &reason);
-        return answer(StatusCode::UNAUTHORIZED);
+    if let Err(reason) = authorize(ctx, &dst_wl, Some(peer_id), peer.ip(), target) {
+        ConnRecord::denied(ctx, peer, target, labels, &reason);
+        answer(StatusCode::UNAUTHORIZED);
+        return None;
     }
     let source = ctx.transparent.then_some(peer.ip());
-    let mut upstream = match dial(target, ctx.dial_opts(source, netns)).await {
+    let upstream = match dial(target, ctx.dial_opts(source, netns)).await {
         Ok(u) => u,
-        Err(e) => return refuse(ConnectRefusal::Upstream(target, e.to_string()), &mut answer),
+        Err(e) => {
+            refuse(ConnectRefusal::Upstream(target, e.to_string()), &mut answer);
+            return None;
+        }
     };
     let tracked = ctx.conns.register(&dst_wl.uid, Some(peer_id), peer.ip(), target);
-    let rec = ConnRecord::open(&ctx, peer, target, labels);
+    let rec = ConnRecord::open(ctx, peer, target, labels);
     let send = match respond.send_response(status(StatusCode::OK), false) {
         Ok(s) => s,
         Err(e) => {
             reset_on_close(&upstream);
-            return rec.close(0, 0, Err(format!("CONNECT answer: {e}")));
+            rec.close(0, 0, Err(format!("CONNECT answer: {e}")));
+            return None;
         }
     };
-    let mut tunnel = H2Stream::new(send, req.into_body());
-    rec.finish(copy_until_revoked(&mut tunnel, &mut upstream, tracked, &ctx.drain).await);
+    Some((H2Stream::new(send, req.into_body()), upstream, tracked, rec))
 }
 
 /// Checks a connection to local workload `dst_wl` against the authorization policies that apply
@@ -293,13 +319,15 @@ async fn copy_until_revoked<A: Leg, B: Leg>(
 /// Inbound plaintext (15006): a connection redirected to a local workload, passed through as is.
 pub async fn handle_plaintext(
     ctx: Arc<Ctx>,
-    mut client: TcpStream,
+    client: TcpStream,
     peer: SocketAddr,
     netns: Option<Arc<Netns>>,
 ) {
     let Some(dst) = destination(&client) else { return };
     let span = tracing::info_span!("inbound_plaintext", src = %peer, dst = %dst);
-    async move {
+    // Set-up runs in the connection's span; the relay after it runs outside (see `ConnRecord`).
+    let drain = ctx.drain.clone();
+    let ready = async move {
         if ctx
             .own_addrs
             .iter()
@@ -308,12 +336,12 @@ pub async fn handle_plaintext(
         {
             ctx.metrics.refuse("loop");
             tracing::warn!("refused: plaintext connection to the proxy's own listener would loop");
-            return;
+            return None;
         }
         let Some(dst_wl) = ctx.state.local_workload_by_ip(dst.ip()) else {
             ctx.metrics.refuse("no_local_workload");
             tracing::warn!("refused: {} is not a workload on this node", dst.ip());
-            return;
+            return None;
         };
         // No identity: the source workload is only what its address says.
         let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::unknown)
@@ -324,21 +352,25 @@ pub async fn handle_plaintext(
             ConnRecord::denied(&ctx, peer, dst, labels, &reason);
             // Reset, not FIN: the client must not mistake a refusal for an empty answer.
             reset_on_close(&client);
-            return;
+            return None;
         }
         let rec = ConnRecord::open(&ctx, peer, dst, labels);
         let source = ctx.transparent.then_some(peer.ip());
         match dial(dst, ctx.dial_opts(source, netns.as_deref())).await {
-            Ok(mut up) => {
+            Ok(up) => {
                 let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
-                rec.finish(copy_until_revoked(&mut client, &mut up, tracked, &ctx.drain).await);
+                Some((client, up, tracked, rec))
             }
             Err(e) => {
                 reset_on_close(&client);
-                rec.close(0, 0, Err(format!("connect {dst}: {e}")))
+                rec.close(0, 0, Err(format!("connect {dst}: {e}")));
+                None
             }
         }
     }
     .instrument(span)
-    .await
+    .await;
+    if let Some((mut client, mut up, tracked, rec)) = ready {
+        rec.finish(copy_until_revoked(&mut client, &mut up, tracked, &drain).await);
+    }
 }

@@ -6,7 +6,7 @@ pub mod inbound;
 pub mod outbound;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -204,12 +204,17 @@ impl Drain {
 }
 
 /// One proxied connection's bookkeeping: opened/closed counters, bytes, access log.
+///
+/// It keeps the span it was opened in (the connection's: id, source, destination) and logs its
+/// end inside it, so the relay between open and close can run outside any span: entering a span
+/// costs the log filter two lock reads, and a relay is polled for every chunk it moves.
 pub struct ConnRecord {
     metrics: Arc<Metrics>,
     labels: ConnLabels,
     src: SocketAddr,
     dst: SocketAddr,
     start: Instant,
+    span: tracing::Span,
     _guard: DrainGuard,
 }
 
@@ -223,6 +228,7 @@ impl ConnRecord {
             src,
             dst,
             start: Instant::now(),
+            span: tracing::Span::current(),
             _guard: ctx.drain.guard(),
         }
     }
@@ -263,6 +269,7 @@ impl ConnRecord {
         self.metrics.active_connections.dec();
         let l = &self.labels;
         let duration_ms = self.start.elapsed().as_millis() as u64;
+        let _in = self.span.enter();
         match result {
             Ok(()) => tracing::info!(target: "access", src = %self.src, dst = %self.dst,
                 src_identity = %l.source_principal, dst_identity = %l.destination_principal,
@@ -385,9 +392,20 @@ where
     use std::task::Poll;
     let (mut ab, mut ba) = (Half::new(), Half::new());
     let mut stop = std::pin::pin!(stop);
+    let stop_wake = Arc::new(StopWake::default());
+    let mut stop_polled = false;
     let result = std::future::poll_fn(|cx| {
-        if let Poll::Ready(reason) = stop.as_mut().poll(cx) {
-            return Poll::Ready(Err(reason));
+        // Most wake-ups are bytes to move: `stop` (drain and revocation watches, a lock each to
+        // poll) is polled first, then only when it woke the task itself.
+        stop_wake.task.register(cx.waker());
+        if !stop_polled || stop_wake.woken.swap(false, Ordering::AcqRel) {
+            stop_polled = true;
+            let waker = futures::task::waker_ref(&stop_wake);
+            if let Poll::Ready(reason) =
+                stop.as_mut().poll(&mut std::task::Context::from_waker(&waker))
+            {
+                return Poll::Ready(Err(reason));
+            }
         }
         if !ab.done {
             match ab.poll_copy(cx, &mut *a, &mut *b) {
@@ -411,6 +429,21 @@ where
     })
     .await;
     Copied { ab: ab.written, ba: ba.written, result }
+}
+
+/// The waker `copy_both` gives its `stop` future: it records that `stop` woke, then wakes the
+/// task.
+#[derive(Default)]
+struct StopWake {
+    woken: AtomicBool,
+    task: futures::task::AtomicWaker,
+}
+
+impl futures::task::ArcWake for StopWake {
+    fn wake_by_ref(this: &Arc<Self>) {
+        this.woken.store(true, Ordering::Release);
+        this.task.wake();
+    }
 }
 
 /// Resets a TCP connection when it is dropped (`SO_LINGER` 0: RST instead of FIN), so that a
@@ -437,13 +470,7 @@ pub trait Leg: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin {
         buf: &mut bytes::BytesMut,
         want: usize,
     ) -> std::task::Poll<std::io::Result<Option<bytes::Bytes>>> {
-        use std::task::ready;
-        buf.clear();
-        buf.reserve(want);
-        // Read no more than `want` even when the buffer kept a larger capacity.
-        let mut limited = bytes::BufMut::limit(&mut *buf, want);
-        let n = ready!(tokio_util::io::poll_read_buf(std::pin::Pin::new(self), cx, &mut limited))?;
-        std::task::Poll::Ready(Ok((n > 0).then(|| buf.split().freeze())))
+        read_chunk(self, cx, buf, want)
     }
 
     /// Writes the start of `chunk` and advances it past what was written; returns that length.
@@ -458,9 +485,37 @@ pub trait Leg: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin {
     }
 }
 
+/// Reads into `buf` (at most `want` bytes) and splits what was read off as a chunk.
+fn read_chunk<R: tokio::io::AsyncRead + Unpin + ?Sized>(
+    r: &mut R,
+    cx: &mut std::task::Context<'_>,
+    buf: &mut bytes::BytesMut,
+    want: usize,
+) -> std::task::Poll<std::io::Result<Option<bytes::Bytes>>> {
+    use std::task::ready;
+    buf.clear();
+    buf.reserve(want);
+    // Read no more than `want` even when the buffer kept a larger capacity.
+    let mut limited = bytes::BufMut::limit(&mut *buf, want);
+    let n = ready!(tokio_util::io::poll_read_buf(std::pin::Pin::new(r), cx, &mut limited))?;
+    std::task::Poll::Ready(Ok((n > 0).then(|| buf.split().freeze())))
+}
+
 impl Leg for tokio::net::TcpStream {
     fn abort(&mut self) {
         reset_on_close(self);
+    }
+
+    /// A read that drained the socket cleared its readiness, so a request/response connection
+    /// asks here, and allocates a read buffer only when bytes (or the end) are waiting.
+    fn poll_read_chunk(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut bytes::BytesMut,
+        want: usize,
+    ) -> std::task::Poll<std::io::Result<Option<bytes::Bytes>>> {
+        std::task::ready!(self.poll_read_ready(cx))?;
+        read_chunk(self, cx, buf, want)
     }
 }
 
@@ -707,5 +762,52 @@ pub async fn run_recheck(ctx: Arc<Ctx>) {
                 .get_or_create(&crate::metrics::RefusalLabels { reason: "authorization_revoked" })
                 .inc_by(n as u64);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn tcp_pair(
+        l: &tokio::net::TcpListener,
+    ) -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let c = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        (c, l.accept().await.unwrap().0)
+    }
+
+    /// `copy_both` polls its stop future only when that future woke it: a stop that fires
+    /// after many wake-ups by bytes must still end the relay, with its reason and the bytes
+    /// moved until then.
+    #[tokio::test]
+    async fn a_stop_that_fires_mid_relay_ends_it_with_its_reason_and_the_bytes_moved() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (mut app, mut a) = tcp_pair(&l).await;
+        let (mut b, mut server) = tcp_pair(&l).await;
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let relay = tokio::spawn(async move {
+            copy_both(&mut a, &mut b, async {
+                let _ = rx.await;
+                "stopped".to_string()
+            })
+            .await
+        });
+        for i in 0..20u8 {
+            app.write_all(&[i]).await.unwrap();
+            let mut got = [0u8; 1];
+            server.read_exact(&mut got).await.unwrap();
+            assert_eq!(got[0], i);
+            server.write_all(&[i, i]).await.unwrap();
+            let mut back = [0u8; 2];
+            app.read_exact(&mut back).await.unwrap();
+        }
+        tx.send(()).unwrap();
+        let c = tokio::time::timeout(Duration::from_secs(10), relay)
+            .await
+            .expect("the relay did not see its stop")
+            .unwrap();
+        assert_eq!(c.result, Err("stopped".to_string()));
+        assert_eq!((c.ab, c.ba), (20, 40));
     }
 }

@@ -23,7 +23,7 @@ static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new
 /// must not get the neighbour's certificate).
 pub async fn handle(
     ctx: Arc<Ctx>,
-    mut client: TcpStream,
+    client: TcpStream,
     peer: SocketAddr,
     netns: Option<Arc<Netns>>,
     pod_uid: Option<Arc<str>>,
@@ -39,13 +39,15 @@ pub async fn handle(
         None => return,
     };
     let span = tracing::info_span!("outbound", id, src = %peer, dst = %dst);
-    async move {
+    // Set-up runs in the connection's span; the relay after it runs outside (see `ConnRecord`).
+    let ctx2 = ctx.clone();
+    let ready = async move {
         let upstream = match ctx.state.resolve(dst) {
             Ok(u) => u,
             Err(e) => {
                 ctx.metrics.refuse("no_route");
                 tracing::warn!(error = %e, "no route for destination");
-                return;
+                return None;
             }
         };
         // A redirected connection to the proxy's own ports, or a passthrough to them, is a loop.
@@ -59,7 +61,7 @@ pub async fn handle(
         if direct_in_pod || (is_own && (redirected.is_some() || upstream.is_none())) {
             ctx.metrics.refuse("loop");
             tracing::warn!("refused: connection to the proxy's own listener would loop");
-            return;
+            return None;
         }
         let src_wl = match &pod_uid {
             Some(uid) => {
@@ -79,19 +81,19 @@ pub async fn handle(
                 src_wl.as_ref().map(|w| ctx.state.identity_of(w).to_string()),
             );
             let rec = ConnRecord::open(&ctx, peer, dst, labels);
-            match dial(dst, ctx.dial_opts(None, netns.as_deref())).await {
-                Ok(mut up) => rec.finish(relay(&mut client, &mut up, drain_cut(&ctx.drain)).await),
+            return match dial(dst, ctx.dial_opts(None, netns.as_deref())).await {
+                Ok(up) => Some(Ready::Direct(client, up, rec)),
                 Err(e) => {
                     reset_on_close(&client);
-                    rec.close(0, 0, Err(format!("connect {dst}: {e}")))
+                    rec.close(0, 0, Err(format!("connect {dst}: {e}")));
+                    None
                 }
-            }
-            return;
+            };
         };
         let Some(src_wl) = src_wl else {
             ctx.metrics.refuse("unknown_source");
             tracing::warn!(source = %peer.ip(), "refused: source is not a workload on this node");
-            return;
+            return None;
         };
         let src_id = ctx.state.identity_of(&src_wl);
         let dst_id = upstream.identity.clone();
@@ -107,12 +109,11 @@ pub async fn handle(
         match upstream.protocol {
             Protocol::Tcp => {
                 match dial(upstream.target, ctx.dial_opts(None, netns.as_deref())).await {
-                    Ok(mut up) => {
-                        rec.finish(relay(&mut client, &mut up, drain_cut(&ctx.drain)).await)
-                    }
+                    Ok(up) => Some(Ready::Direct(client, up, rec)),
                     Err(e) => {
                         reset_on_close(&client);
-                        rec.close(0, 0, Err(format!("connect {}: {e}", upstream.target)))
+                        rec.close(0, 0, Err(format!("connect {}: {e}", upstream.target)));
+                        None
                     }
                 }
             }
@@ -126,7 +127,7 @@ pub async fn handle(
                     ),
                 };
                 match ctx.pool.tunnel(&key, upstream.target, &headers, netns.as_deref()).await {
-                    Ok(tunnel) => relay_beside(&ctx, client, tunnel, rec).await,
+                    Ok(tunnel) => Some(Ready::Tunnel(client, tunnel, rec)),
                     Err(HboneError::Status(http::StatusCode::UNAUTHORIZED)) => {
                         reset_on_close(&client);
                         ctx.metrics.refuse("denied_by_destination");
@@ -139,6 +140,7 @@ pub async fn handle(
                                 upstream.target
                             )),
                         );
+                        None
                     }
                     Err(e) => {
                         reset_on_close(&client);
@@ -150,13 +152,29 @@ pub async fn handle(
                             0,
                             Err(format!("HBONE to {hop} for {}: {e}", upstream.target)),
                         );
+                        None
                     }
                 }
             }
         }
     }
     .instrument(span)
-    .await
+    .await;
+    match ready {
+        Some(Ready::Direct(mut client, mut up, rec)) => {
+            rec.finish(relay(&mut client, &mut up, drain_cut(&ctx2.drain)).await)
+        }
+        Some(Ready::Tunnel(client, tunnel, rec)) => relay_beside(&ctx2, client, tunnel, rec).await,
+        None => {}
+    }
+}
+
+/// A connection set up and ready to relay.
+enum Ready {
+    /// To its destination directly (not a mesh destination, or one without HBONE).
+    Direct(TcpStream, TcpStream, ConnRecord),
+    /// Through an HBONE tunnel.
+    Tunnel(TcpStream, Tunnel, ConnRecord),
 }
 
 /// Relays `client` through `tunnel` on the worker thread that runs the tunnel's HBONE
@@ -169,21 +187,18 @@ async fn relay_beside(ctx: &Arc<Ctx>, client: TcpStream, tunnel: Tunnel, rec: Co
         let (mut client, mut tunnel) = (client, tunnel);
         return rec.finish(relay(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await);
     }
-    let (c, span) = (ctx.clone(), tracing::Span::current());
-    let moved = ctx.workers.spawn_moved(home, client, move |client| {
-        async move {
-            let mut tunnel = tunnel;
-            match client {
-                Ok(mut client) => {
-                    rec.finish(relay(&mut client, &mut tunnel, drain_cut(&c.drain)).await)
-                }
-                Err(e) => {
-                    tunnel.reset();
-                    rec.close(0, 0, Err(format!("moving the connection to a worker: {e}")))
-                }
+    let c = ctx.clone();
+    let moved = ctx.workers.spawn_moved(home, client, move |client| async move {
+        let mut tunnel = tunnel;
+        match client {
+            Ok(mut client) => {
+                rec.finish(relay(&mut client, &mut tunnel, drain_cut(&c.drain)).await)
+            }
+            Err(e) => {
+                tunnel.reset();
+                rec.close(0, 0, Err(format!("moving the connection to a worker: {e}")))
             }
         }
-        .instrument(span)
     });
     let _ = moved.await;
 }
