@@ -196,8 +196,12 @@ async fn serve_connect(
     netns: Option<&Netns>,
     span: tracing::Span,
 ) {
-    let ready =
-        accept_connect(&ctx, req, respond, peer, reached, peer_id, netns).instrument(span).await;
+    // Boxed: set-up is most of this future's size, and a task's future is copied whole when it
+    // is spawned and when it completes.
+    let ready = Box::pin(
+        accept_connect(&ctx, req, respond, peer, reached, peer_id, netns).instrument(span),
+    )
+    .await;
     if let Some((mut tunnel, mut upstream, tracked, rec)) = ready {
         rec.finish(copy_until_revoked(&mut tunnel, &mut upstream, tracked, &ctx.drain).await);
     }
@@ -307,12 +311,12 @@ async fn copy_until_revoked<A: Leg, B: Leg>(
             Err(_) => std::future::pending().await,
         }
     };
-    let stop = async {
+    let stop = Box::pin(async {
         tokio::select! {
             r = revoked => r,
             r = drain_cut(drain) => r,
         }
-    };
+    });
     relay(a, b, stop).await
 }
 
@@ -327,48 +331,52 @@ pub async fn handle_plaintext(
     let span = tracing::info_span!("inbound_plaintext", src = %peer, dst = %dst);
     // Set-up runs in the connection's span; the relay after it runs outside (see `ConnRecord`).
     let drain = ctx.drain.clone();
-    let ready = async move {
-        if ctx
-            .own_addrs
-            .iter()
-            .any(|a| a.port() == dst.port() && (a.ip() == dst.ip() || a.ip().is_unspecified()))
-            || (netns.is_some() && crate::inpod::PROXY_PORTS.contains(&dst.port()))
-        {
-            ctx.metrics.refuse("loop");
-            tracing::warn!("refused: plaintext connection to the proxy's own listener would loop");
-            return None;
-        }
-        let Some(dst_wl) = ctx.state.local_workload_by_ip(dst.ip()) else {
-            ctx.metrics.refuse("no_local_workload");
-            tracing::warn!("refused: {} is not a workload on this node", dst.ip());
-            return None;
-        };
-        // No identity: the source workload is only what its address says.
-        let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::unknown)
-            .with_source(ctx.state.workload_by_ip(peer.ip()).as_deref(), None)
-            .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
-        // No verified identity: only address and port fields can allow it.
-        if let Err(reason) = authorize(&ctx, &dst_wl, None, peer.ip(), dst) {
-            ConnRecord::denied(&ctx, peer, dst, labels, &reason);
-            // Reset, not FIN: the client must not mistake a refusal for an empty answer.
-            reset_on_close(&client);
-            return None;
-        }
-        let rec = ConnRecord::open(&ctx, peer, dst, labels);
-        let source = ctx.transparent.then_some(peer.ip());
-        match dial(dst, ctx.dial_opts(source, netns.as_deref())).await {
-            Ok(up) => {
-                let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
-                Some((client, up, tracked, rec))
+    let ready = Box::pin(
+        async move {
+            if ctx
+                .own_addrs
+                .iter()
+                .any(|a| a.port() == dst.port() && (a.ip() == dst.ip() || a.ip().is_unspecified()))
+                || (netns.is_some() && crate::inpod::PROXY_PORTS.contains(&dst.port()))
+            {
+                ctx.metrics.refuse("loop");
+                tracing::warn!(
+                    "refused: plaintext connection to the proxy's own listener would loop"
+                );
+                return None;
             }
-            Err(e) => {
+            let Some(dst_wl) = ctx.state.local_workload_by_ip(dst.ip()) else {
+                ctx.metrics.refuse("no_local_workload");
+                tracing::warn!("refused: {} is not a workload on this node", dst.ip());
+                return None;
+            };
+            // No identity: the source workload is only what its address says.
+            let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::unknown)
+                .with_source(ctx.state.workload_by_ip(peer.ip()).as_deref(), None)
+                .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
+            // No verified identity: only address and port fields can allow it.
+            if let Err(reason) = authorize(&ctx, &dst_wl, None, peer.ip(), dst) {
+                ConnRecord::denied(&ctx, peer, dst, labels, &reason);
+                // Reset, not FIN: the client must not mistake a refusal for an empty answer.
                 reset_on_close(&client);
-                rec.close(0, 0, Err(format!("connect {dst}: {e}")));
-                None
+                return None;
+            }
+            let rec = ConnRecord::open(&ctx, peer, dst, labels);
+            let source = ctx.transparent.then_some(peer.ip());
+            match dial(dst, ctx.dial_opts(source, netns.as_deref())).await {
+                Ok(up) => {
+                    let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
+                    Some((client, up, tracked, rec))
+                }
+                Err(e) => {
+                    reset_on_close(&client);
+                    rec.close(0, 0, Err(format!("connect {dst}: {e}")));
+                    None
+                }
             }
         }
-    }
-    .instrument(span)
+        .instrument(span),
+    )
     .await;
     if let Some((mut client, mut up, tracked, rec)) = ready {
         rec.finish(copy_until_revoked(&mut client, &mut up, tracked, &drain).await);

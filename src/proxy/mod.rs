@@ -210,7 +210,9 @@ impl Drain {
 /// costs the log filter two lock reads, and a relay is polled for every chunk it moves.
 pub struct ConnRecord {
     metrics: Arc<Metrics>,
-    labels: ConnLabels,
+    /// Boxed (512 bytes inline): a record moves with its connection, from set-up to relay and
+    /// between workers, and each move of a future that holds it copies it.
+    labels: Box<ConnLabels>,
     src: SocketAddr,
     dst: SocketAddr,
     start: Instant,
@@ -224,7 +226,7 @@ impl ConnRecord {
         ctx.metrics.active_connections.inc();
         ConnRecord {
             metrics: ctx.metrics.clone(),
-            labels,
+            labels: Box::new(labels),
             src,
             dst,
             start: Instant::now(),
@@ -567,11 +569,7 @@ impl Leg for crate::hbone::H2Stream {
 
 /// [`copy_both`], then, when the connection did not end cleanly on both sides (a leg failed or
 /// `stop` cut it), aborts both legs: a reset on one side arrives as a reset on the other.
-pub async fn relay<A: Leg, B: Leg>(
-    a: &mut A,
-    b: &mut B,
-    stop: impl std::future::Future<Output = String>,
-) -> Copied {
+pub async fn relay<A: Leg, B: Leg>(a: &mut A, b: &mut B, stop: Stop<'_>) -> Copied {
     let c = copy_both(a, b, stop).await;
     if c.result.is_err() {
         a.abort();
@@ -580,10 +578,17 @@ pub async fn relay<A: Leg, B: Leg>(
     c
 }
 
+/// What ends a relay early, with the reason. Boxed: a future passed by value is stored again
+/// at each level of `async fn` it goes down, and a relay task's future is copied whole when it
+/// is spawned and when it completes.
+pub type Stop<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send + 'a>>;
+
 /// The reason a connection must stop early: the drain deadline passed.
-pub async fn drain_cut(drain: &Drain) -> String {
-    drain.cut().await;
-    "cut at the drain deadline".to_string()
+pub fn drain_cut(drain: &Drain) -> Stop<'_> {
+    Box::pin(async move {
+        drain.cut().await;
+        "cut at the drain deadline".to_string()
+    })
 }
 
 /// Accepts one connection, backing off on errors (EMFILE and the like would otherwise spin):

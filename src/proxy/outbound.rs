@@ -40,8 +40,10 @@ pub async fn handle(
     };
     let span = tracing::info_span!("outbound", id, src = %peer, dst = %dst);
     // Set-up runs in the connection's span; the relay after it runs outside (see `ConnRecord`).
+    // Boxed: set-up is most of this future's size (pool, TLS, dial), and a task's future is
+    // copied whole when it is spawned, moved to a worker and completed.
     let ctx2 = ctx.clone();
-    let ready = async move {
+    let ready = Box::pin(async move {
         let upstream = match ctx.state.resolve(dst) {
             Ok(u) => u,
             Err(e) => {
@@ -158,7 +160,7 @@ pub async fn handle(
             }
         }
     }
-    .instrument(span)
+    .instrument(span))
     .await;
     match ready {
         Some(Ready::Direct(mut client, mut up, rec)) => {
@@ -179,8 +181,8 @@ enum Ready {
 
 /// Relays `client` through `tunnel` on the worker thread that runs the tunnel's HBONE
 /// connection: when that is another worker than this one, the client socket and the record move
-/// there, so that the relay and the h2 task it feeds never wake each other across threads. This
-/// task then only waits for the end.
+/// there, so that the relay and the h2 task it feeds never wake each other across threads, and
+/// this task ends (waiting for the moved one would cost a wake-up of this thread at its end).
 async fn relay_beside(ctx: &Arc<Ctx>, client: TcpStream, tunnel: Tunnel, rec: ConnRecord) {
     let home = tunnel.home().filter(|h| Some(*h) != crate::net::workers::current());
     if home.is_none() {
@@ -188,7 +190,8 @@ async fn relay_beside(ctx: &Arc<Ctx>, client: TcpStream, tunnel: Tunnel, rec: Co
         return rec.finish(relay(&mut client, &mut tunnel, drain_cut(&ctx.drain)).await);
     }
     let c = ctx.clone();
-    let moved = ctx.workers.spawn_moved(home, client, move |client| async move {
+    // Detached: the record (with its drain guard) and both legs went with it.
+    drop(ctx.workers.spawn_moved(home, client, move |client| async move {
         let mut tunnel = tunnel;
         match client {
             Ok(mut client) => {
@@ -199,6 +202,5 @@ async fn relay_beside(ctx: &Arc<Ctx>, client: TcpStream, tunnel: Tunnel, rec: Co
                 rec.close(0, 0, Err(format!("moving the connection to a worker: {e}")))
             }
         }
-    });
-    let _ = moved.await;
+    }));
 }
