@@ -157,6 +157,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         TlsProvider::new(store.clone(), signer.clone(), cfg.trust_domain.clone(), metrics.clone())
             .with_limits(&limits)
             .with_resumption(cfg.tls_resumption)
+            .with_verify_cache(cfg.tls_verify_cache)
             .with_groups(&cfg.tls_groups),
     );
     let pool = Arc::new(Pool::new(

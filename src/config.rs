@@ -147,6 +147,10 @@ pub struct Config {
     /// TLS 1.3 session resumption between mbtunnel peers (PSK with ECDHE, tickets at most an
     /// hour and never past the authenticating certificate; see `tls::resume`).
     pub tls_resumption: bool,
+    /// Remember peer certificate chains that verified, so the same chain presented again skips
+    /// its signature checks; the peer's proof of its key, validity times and identity are still
+    /// checked on every handshake (see `tls::verify`).
+    pub tls_verify_cache: bool,
     /// TLS key-exchange groups offered (client) and accepted (server), in preference order.
     /// Empty: BoringSSL's defaults, which are what ztunnel offers: X25519MLKEM768 (the
     /// post-quantum hybrid), X25519, P-256, P-384.
@@ -256,6 +260,7 @@ impl Default for Config {
             pool_idle_timeout_secs: 300,
             pool_max_streams: 100,
             tls_resumption: true,
+            tls_verify_cache: true,
             tls_groups: Vec::new(),
             log_format: LogFormat::Text,
             log_level: "info".into(),
@@ -722,6 +727,7 @@ nodes:
                 .unwrap();
         assert_eq!(c.tls_groups, ["X25519", "P-256"]);
         assert!(c.tls_resumption, "resumption is on by default");
+        assert!(c.tls_verify_cache, "the chain cache is on by default");
         let e = Config::from_yaml("node_name: a\ntls_groups: [X448]\n", Path::new("g.yaml"))
             .unwrap_err()
             .to_string();

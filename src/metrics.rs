@@ -218,6 +218,13 @@ pub struct RefusalLabels {
     pub reason: &'static str,
 }
 
+/// How a peer's certificate chain was judged: `verified` (in full), `cached` (the same chain
+/// verified earlier, see `tls::verify`), `refused`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ChainCheckLabels {
+    pub result: &'static str,
+}
+
 pub struct Metrics {
     pub opened: Family<ConnLabels, Counter>,
     pub closed: Family<ConnLabels, Counter>,
@@ -231,6 +238,7 @@ pub struct Metrics {
     pub accept_errors: Family<ListenerLabels, Counter>,
     pub h2_errors: Family<H2ErrorLabels, Counter>,
     pub tls_alerts: Family<AlertLabels, Counter>,
+    pub chain_checks: Family<ChainCheckLabels, Counter>,
 }
 
 fn handshake_histogram() -> Histogram {
@@ -253,6 +261,7 @@ impl Metrics {
             accept_errors: Family::default(),
             h2_errors: Family::default(),
             tls_alerts: Family::default(),
+            chain_checks: Family::default(),
         };
         let istio = registry.sub_registry_with_prefix("istio");
         istio.register("tcp_connections_opened", "Connections opened", m.opened.clone());
@@ -296,6 +305,11 @@ impl Metrics {
             m.h2_errors.clone(),
         );
         mbt.register("tls_alerts", "TLS alerts sent and received, by alert", m.tls_alerts.clone());
+        mbt.register(
+            "tls_peer_chains",
+            "Peer certificate chains judged, by result: verified, cached (verified earlier), refused",
+            m.chain_checks.clone(),
+        );
         m
     }
 

@@ -39,6 +39,16 @@ impl Side {
         resumption: bool,
         groups: &[&str],
     ) -> Side {
+        Side::build(ca_dir, lifetime, resumption, groups, true)
+    }
+
+    fn build(
+        ca_dir: &std::path::Path,
+        lifetime: Duration,
+        resumption: bool,
+        groups: &[&str],
+        verify_cache: bool,
+    ) -> Side {
         let ca = DevCa::load_or_create(ca_dir, "cluster.local").unwrap();
         let store = Arc::new(CertStore::new(ca, KeyAlgorithm::EcdsaP256, lifetime));
         let mut reg = Registry::default();
@@ -47,6 +57,7 @@ impl Side {
             Signer::start(mbtunnel::signer::SignerConfig { threads: 1, ..Default::default() });
         let tls = TlsProvider::new(store.clone(), signer, "cluster.local".into(), metrics)
             .with_resumption(resumption)
+            .with_verify_cache(verify_cache)
             .with_groups(&groups.iter().map(|g| g.to_string()).collect::<Vec<_>>());
         Side { tls: Arc::new(tls), store, registry: Arc::new(reg) }
     }
@@ -55,6 +66,12 @@ impl Side {
         let mut s = String::new();
         prometheus_client::encoding::text::encode(&mut s, &self.registry).unwrap();
         s
+    }
+
+    /// Peer chains judged with `result` (verified, cached, refused).
+    fn chains(&self, result: &str) -> f64 {
+        let want = format!("result=\"{result}\"");
+        metric(&self.metrics(), "mbtunnel_tls_peer_chains_total", &[&want]).unwrap_or(0.0)
     }
 
     fn handshakes(&self, side: &str, kind: &str) -> f64 {
@@ -220,5 +237,58 @@ async fn key_exchange_follows_tls_groups() {
     let addr = serve(&p256).await;
     let (_, g) = once_with_group(&client, addr, SERVER).await.unwrap();
     assert_eq!(g, "P-256");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_that_verified_is_remembered_and_the_identity_still_checked() {
+    let dir = temp_dir("chains1");
+    // Resumption off: every handshake below is a full one and presents its chain.
+    let server = Side::new(&dir, Duration::from_secs(7200), false);
+    let client = Side::new(&dir, Duration::from_secs(7200), false);
+    let addr = serve(&server).await;
+    for _ in 0..3 {
+        assert_eq!(once(&client, addr, SERVER).await, Ok(false));
+    }
+    for side in [&client, &server] {
+        assert_eq!(side.chains("verified"), 1.0, "{}", side.metrics());
+        assert_eq!(side.chains("cached"), 2.0, "{}", side.metrics());
+    }
+    // The server's chain is remembered, yet a client expecting another identity refuses it.
+    let other = "spiffe://cluster.local/ns/default/sa/other";
+    let e = once(&client, addr, other).await.unwrap_err();
+    assert!(e.contains("other"), "{e}");
+    assert_eq!(client.chains("cached"), 3.0, "{}", client.metrics());
+
+    // A chain from another root is refused each time, never remembered (here by a client of
+    // another mesh, which refuses our server's chain before sending its own).
+    let stranger_dir = temp_dir("chains1-stranger");
+    let stranger = Side::new(&stranger_dir, Duration::from_secs(7200), false);
+    for _ in 0..2 {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let me: Identity = CLIENT.parse().unwrap();
+        let e = stranger.tls.connect(tcp, &me, &SERVER.parse().unwrap()).await.unwrap_err();
+        assert_eq!(e.reason(), "tls_untrusted_chain", "{e}");
+    }
+    assert_eq!(stranger.chains("refused"), 2.0, "{}", stranger.metrics());
+    assert_eq!(stranger.chains("cached"), 0.0, "{}", stranger.metrics());
+    assert_eq!(server.chains("cached"), 2.0, "{}", server.metrics());
+    let _ = std::fs::remove_dir_all(dir);
+    let _ = std::fs::remove_dir_all(stranger_dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_chain_cache_off_every_chain_is_verified() {
+    let dir = temp_dir("chains2");
+    let server = Side::build(&dir, Duration::from_secs(7200), false, &[], false);
+    let client = Side::build(&dir, Duration::from_secs(7200), false, &[], false);
+    let addr = serve(&server).await;
+    for _ in 0..3 {
+        assert_eq!(once(&client, addr, SERVER).await, Ok(false));
+    }
+    for side in [&client, &server] {
+        assert_eq!(side.chains("verified"), 3.0, "{}", side.metrics());
+        assert_eq!(side.chains("cached"), 0.0, "{}", side.metrics());
+    }
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -11,10 +11,13 @@
 //! certificate is answered with the `certificate_unknown` alert.
 //!
 //! With `tls_resumption` on, mbtunnel peers resume TLS 1.3 sessions (PSK with ECDHE): see
-//! [`resume`] for what keeps that as strict as a full handshake.
+//! [`resume`] for what keeps that as strict as a full handshake. Chains that verified are
+//! remembered per context (`tls_verify_cache`): see [`verify`] for what is still checked on
+//! every handshake.
 #![deny(unsafe_code)]
 
 pub mod resume;
+mod verify;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -26,7 +29,7 @@ use boring::ssl::{
     SslOptions, SslSessionCacheMode, SslVerifyMode, SslVersion,
 };
 use boring::x509::store::X509StoreBuilder;
-use boring::x509::{X509Ref, X509StoreContext, X509StoreContextRef, X509VerifyError, X509};
+use boring::x509::{X509Ref, X509};
 use tokio::sync::Semaphore;
 use tokio_boring::{SslStream, SslStreamBuilder};
 
@@ -119,39 +122,8 @@ fn peer_identity_of(cert: &X509Ref) -> Result<Identity, TlsError> {
     Ok(ids.remove(0))
 }
 
-/// Where a connection's verify callback leaves the reason it refused the peer's certificate.
+/// Where a connection's chain check leaves the reason it refused the peer's certificate.
 type Refusal = Arc<Mutex<Option<TlsError>>>;
-
-/// Verify callback body: the chain verdict for intermediate certificates, and for the leaf the
-/// chain verdict plus `accept` on its single SPIFFE id. A refusal is recorded in `refusal`; a
-/// refused identity sets a verification error that BoringSSL answers with `certificate_unknown`
-/// (as ztunnel does), where a bare `false` would send `internal_error`.
-fn check_leaf(
-    ok: bool,
-    ctx: &mut X509StoreContextRef,
-    refusal: &Refusal,
-    accept: impl Fn(&Identity) -> Result<(), TlsError>,
-) -> bool {
-    if !ok {
-        let e = ctx.verify_result().err().map(|e| e.to_string()).unwrap_or_default();
-        refusal.lock().unwrap().get_or_insert(TlsError::Untrusted(e));
-        return false;
-    }
-    if ctx.error_depth() != 0 {
-        return true;
-    }
-    let r = ctx.current_cert().ok_or(TlsError::NoPeerCert).and_then(peer_identity_of);
-    match r.and_then(|id| accept(&id)) {
-        Ok(()) => true,
-        Err(e) => {
-            refusal.lock().unwrap().get_or_insert(e);
-            // Any error outside BoringSSL's alert table maps to certificate_unknown; this one
-            // says "a name in the certificate is not permitted", which is what happened.
-            ctx.set_error(Err(X509VerifyError::PERMITTED_VIOLATION));
-            false
-        }
-    }
-}
 
 /// Prebuilt contexts for one certificate.
 struct Contexts {
@@ -175,6 +147,8 @@ pub struct TlsProvider {
     cache: Mutex<HashMap<Identity, Arc<Contexts>>>,
     inline_signing: bool,
     resumption: bool,
+    /// Remember chains that verified (`tls_verify_cache`, see [`verify`]).
+    verify_cache: bool,
     /// `tls_groups` joined for BoringSSL; empty = its defaults.
     groups: String,
     handshake_timeout: Duration,
@@ -198,6 +172,7 @@ impl TlsProvider {
             cache: Mutex::new(HashMap::new()),
             inline_signing: false,
             resumption: false,
+            verify_cache: true,
             groups: String::new(),
             handshake_timeout: crate::net::Limits::default().handshake_timeout,
             server_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
@@ -217,6 +192,15 @@ impl TlsProvider {
     /// config turns it on for the proxy).
     pub fn with_resumption(mut self, on: bool) -> Self {
         self.resumption = on;
+        self
+    }
+
+    /// Whether each context remembers the peer chains that verified, so that the same chain
+    /// presented again skips its signature checks (on unless turned off; `tls_verify_cache` in
+    /// the config). The peer's proof of its key, the validity times and the identity are
+    /// checked on every handshake either way: see [`verify`].
+    pub fn with_verify_cache(mut self, on: bool) -> Self {
+        self.verify_cache = on;
         self
     }
 
@@ -322,6 +306,7 @@ impl TlsProvider {
             b.set_async_private_key_method(self.signer.key_method_for(bundle.key.clone(), budget));
         }
         b.set_verify_cert_store(Self::root_store(bundle)?)?;
+        verify::install(&mut b, self.verify_cache.then(Default::default), self.metrics.clone());
         let metrics = self.metrics.clone();
         b.set_info_callback(move |_, mode, v| count_alert(&metrics, mode, v));
         Ok(b)
@@ -428,17 +413,12 @@ impl TlsProvider {
             .bounded(&self.server_gate, async {
                 let mut ssl = Ssl::new(&ctx.acceptor)?;
                 let refusal = Refusal::default();
-                let td = self.trust_domain.clone();
-                let slot = refusal.clone();
-                let tickets = self.resumption;
-                ssl.set_verify_callback(
-                    SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT,
-                    move |ok, ctx| {
-                        let ok = check_leaf(ok, ctx, &slot, |id| in_trust_domain(id, &td));
-                        if ok && tickets && ctx.error_depth() == 0 {
-                            cap_ticket_lifetime(ctx);
-                        }
-                        ok
+                verify::expect(
+                    &mut ssl,
+                    verify::PeerCheck {
+                        want: verify::Want::TrustDomain(self.trust_domain.clone()),
+                        refusal: refusal.clone(),
+                        cap_tickets: self.resumption,
                     },
                 );
                 let s = SslStreamBuilder::new(ssl, Buffered::new(stream))
@@ -498,20 +478,14 @@ impl TlsProvider {
                     resume::tag(&mut ssl, key);
                 }
                 let refusal = Refusal::default();
-                let want = expected.clone();
-                let slot = refusal.clone();
-                ssl.set_verify_callback(SslVerifyMode::PEER, move |ok, ctx| {
-                    check_leaf(ok, ctx, &slot, |id| {
-                        if *id == want {
-                            Ok(())
-                        } else {
-                            Err(TlsError::WrongIdentity {
-                                got: id.to_string(),
-                                want: want.to_string(),
-                            })
-                        }
-                    })
-                });
+                verify::expect(
+                    &mut ssl,
+                    verify::PeerCheck {
+                        want: verify::Want::Exactly(expected.clone()),
+                        refusal: refusal.clone(),
+                        cap_tickets: false,
+                    },
+                );
                 let s = SslStreamBuilder::new(ssl, Buffered::new(stream))
                     .connect()
                     .await
@@ -567,15 +541,6 @@ fn still_valid(cert: &X509Ref) -> Result<(), TlsError> {
         return Err(TlsError::Untrusted("the resumed session's certificate has expired".into()));
     }
     Ok(())
-}
-
-/// While verifying the client's leaf: tickets for this session live no longer than it.
-fn cap_ticket_lifetime(ctx: &X509StoreContextRef) {
-    let left = ctx.current_cert().map(resume::remaining_of);
-    let ssl = X509StoreContext::ssl_idx().ok().and_then(|i| ctx.ex_data(i));
-    if let (Some(left), Some(ssl)) = (left, ssl) {
-        resume::cap_lifetime(ssl, left);
-    }
 }
 
 /// Certificates in a context's default store. (`objects()` is deprecated because the references
