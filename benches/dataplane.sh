@@ -23,11 +23,13 @@
 #   hs      HS_PROCS × `openssl s_time -new` straight to the server proxy's 15008 with a client
 #           leaf from the shared root (SPIFFE id of default/client) → handshakes/s, server CPU
 #           per handshake
-#   hsr     the same with `openssl s_time -reuse -www /`: each client reuses its session, so a server
-#           that issues TLS 1.3 tickets resumes (mbtunnel with tls_resumption, its default; ztunnel
-#           sends no tickets, so its handshakes stay full). `-www /` makes s_time read after the
-#           handshake, which is when a TLS 1.3 client receives its ticket; the HBONE server answers
-#           the HTTP/1.0 GET by closing.                      → handshakes/s, share resumed
+#   hsr     the same with `openssl s_time -reuse -www /`: each client would reuse its session if
+#           the server sent it a TLS 1.3 ticket. Neither does: ztunnel sends none, mbtunnel sends
+#           them only to mbtunnel peers (clients offering its `mbtunnel-tickets` ALPN token, which
+#           s_time cannot), so this row checks that a foreign client gets full handshakes and no
+#           tickets. `-www /` makes s_time read after the handshake, which is when a TLS 1.3
+#           client receives its ticket; the HBONE server answers the HTTP/1.0 GET by closing.
+#                                                             → handshakes/s, share resumed
 # (GB = 10^9 bytes received by iperf3; "proxy CPU" = utime+stime of both proxies from
 # /proc/PID/stat, summed; RSS = VmRSS from /proc/PID/status, read 3/4 into the fixed-rate run.)
 #

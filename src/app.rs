@@ -158,6 +158,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
             .with_limits(&limits)
             .with_resumption(cfg.tls_resumption)
             .with_verify_cache(cfg.tls_verify_cache)
+            .with_ciphers(&cfg.tls_ciphers)
             .with_groups(&cfg.tls_groups),
     );
     let pool = Arc::new(Pool::new(

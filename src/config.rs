@@ -155,6 +155,11 @@ pub struct Config {
     /// Empty: BoringSSL's defaults, which are what ztunnel offers: X25519MLKEM768 (the
     /// post-quantum hybrid), X25519, P-256, P-384.
     pub tls_groups: Vec<String>,
+    /// TLS 1.3 cipher suites in strict preference order, offered (client) and picked (server).
+    /// Default: TLS_AES_128_GCM_SHA256, TLS_AES_256_GCM_SHA384, TLS_CHACHA20_POLY1305_SHA256
+    /// (see `tls::suites` for why); empty: BoringSSL's defaults, where a server follows the
+    /// client's preference.
+    pub tls_ciphers: Vec<String>,
     pub log_format: LogFormat,
     pub log_level: String,
     /// `auto`, `ifma` or `scalar`.
@@ -262,6 +267,7 @@ impl Default for Config {
             tls_resumption: true,
             tls_verify_cache: true,
             tls_groups: Vec::new(),
+            tls_ciphers: crate::tls::suites::default_order(),
             log_format: LogFormat::Text,
             log_level: "info".into(),
             signer_backend: "auto".into(),
@@ -526,6 +532,14 @@ impl Config {
                 self.pool_max_streams
             ));
         }
+        let suites = crate::tls::suites::SUITES;
+        if let Some(c) = self.tls_ciphers.iter().find(|c| !suites.iter().any(|(s, _)| s == c)) {
+            let known: Vec<&str> = suites.iter().map(|(s, _)| *s).collect();
+            return bad(format!(
+                "tls_ciphers: unknown TLS 1.3 suite '{c}' (known: {})",
+                known.join(", ")
+            ));
+        }
         if let Some(g) = self.tls_groups.iter().find(|g| !crate::tls::GROUPS.contains(&g.as_str()))
         {
             return bad(format!(
@@ -728,6 +742,14 @@ nodes:
         assert_eq!(c.tls_groups, ["X25519", "P-256"]);
         assert!(c.tls_resumption, "resumption is on by default");
         assert!(c.tls_verify_cache, "the chain cache is on by default");
+        assert_eq!(c.tls_ciphers[0], "TLS_AES_128_GCM_SHA256", "AES-128 first by default");
+        let e = Config::from_yaml(
+            "node_name: a\ntls_ciphers: [TLS_RSA_WITH_RC4]\n",
+            Path::new("c.yaml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("TLS_RSA_WITH_RC4") && e.contains("TLS_AES_256_GCM_SHA384"), "{e}");
         let e = Config::from_yaml("node_name: a\ntls_groups: [X448]\n", Path::new("g.yaml"))
             .unwrap_err()
             .to_string();

@@ -39,7 +39,7 @@ impl Side {
         resumption: bool,
         groups: &[&str],
     ) -> Side {
-        Side::build(ca_dir, lifetime, resumption, groups, true)
+        Side::build(ca_dir, lifetime, resumption, groups, true, None)
     }
 
     fn build(
@@ -48,6 +48,7 @@ impl Side {
         resumption: bool,
         groups: &[&str],
         verify_cache: bool,
+        ciphers: Option<&[&str]>,
     ) -> Side {
         let ca = DevCa::load_or_create(ca_dir, "cluster.local").unwrap();
         let store = Arc::new(CertStore::new(ca, KeyAlgorithm::EcdsaP256, lifetime));
@@ -55,10 +56,13 @@ impl Side {
         let metrics = Arc::new(Metrics::new(&mut reg));
         let signer =
             Signer::start(mbtunnel::signer::SignerConfig { threads: 1, ..Default::default() });
-        let tls = TlsProvider::new(store.clone(), signer, "cluster.local".into(), metrics)
+        let mut tls = TlsProvider::new(store.clone(), signer, "cluster.local".into(), metrics)
             .with_resumption(resumption)
             .with_verify_cache(verify_cache)
             .with_groups(&groups.iter().map(|g| g.to_string()).collect::<Vec<_>>());
+        if let Some(c) = ciphers {
+            tls = tls.with_ciphers(&c.iter().map(|c| c.to_string()).collect::<Vec<_>>());
+        }
         Side { tls: Arc::new(tls), store, registry: Arc::new(reg) }
     }
 
@@ -107,15 +111,15 @@ async fn serve(server: &Side) -> SocketAddr {
 
 /// One connection from `client` to `addr` expecting `expected`; whether it resumed.
 async fn once(client: &Side, addr: SocketAddr, expected: &str) -> Result<bool, String> {
-    once_with_group(client, addr, expected).await.map(|(resumed, _)| resumed)
+    once_with_group(client, addr, expected).await.map(|(resumed, _, _)| resumed)
 }
 
-/// The same, with the negotiated key-exchange group.
+/// The same, with the negotiated key-exchange group and cipher suite.
 async fn once_with_group(
     client: &Side,
     addr: SocketAddr,
     expected: &str,
-) -> Result<(bool, String), String> {
+) -> Result<(bool, String, String), String> {
     let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
     let me: Identity = CLIENT.parse().unwrap();
     let want: Identity = expected.parse().unwrap();
@@ -127,8 +131,9 @@ async fn once_with_group(
     s.read_exact(&mut b).await.unwrap();
     let resumed = s.ssl().session_reused();
     let group = s.ssl().curve_name().unwrap_or("none").to_string();
+    let cipher = s.ssl().current_cipher().and_then(|c| c.standard_name()).unwrap_or("none");
     let _ = s.shutdown().await;
-    Ok((resumed, group))
+    Ok((resumed, group, cipher.to_string()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -226,16 +231,16 @@ async fn key_exchange_follows_tls_groups() {
     let server = Side::new(&dir, long, false);
     let client = Side::new(&dir, long, false);
     let addr = serve(&server).await;
-    let (_, g) = once_with_group(&client, addr, SERVER).await.unwrap();
+    let (_, g, _) = once_with_group(&client, addr, SERVER).await.unwrap();
     assert_eq!(g, "X25519MLKEM768");
     // A client limited to X25519.
     let classical = Side::with_groups(&dir, long, false, &["X25519", "P-256"]);
-    let (_, g) = once_with_group(&classical, addr, SERVER).await.unwrap();
+    let (_, g, _) = once_with_group(&classical, addr, SERVER).await.unwrap();
     assert_eq!(g, "X25519");
     // A server that accepts P-256 only: the default client is asked to retry with it.
     let p256 = Side::with_groups(&dir, long, false, &["P-256"]);
     let addr = serve(&p256).await;
-    let (_, g) = once_with_group(&client, addr, SERVER).await.unwrap();
+    let (_, g, _) = once_with_group(&client, addr, SERVER).await.unwrap();
     assert_eq!(g, "P-256");
     let _ = std::fs::remove_dir_all(dir);
 }
@@ -280,8 +285,8 @@ async fn a_chain_that_verified_is_remembered_and_the_identity_still_checked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_chain_cache_off_every_chain_is_verified() {
     let dir = temp_dir("chains2");
-    let server = Side::build(&dir, Duration::from_secs(7200), false, &[], false);
-    let client = Side::build(&dir, Duration::from_secs(7200), false, &[], false);
+    let server = Side::build(&dir, Duration::from_secs(7200), false, &[], false, None);
+    let client = Side::build(&dir, Duration::from_secs(7200), false, &[], false, None);
     let addr = serve(&server).await;
     for _ in 0..3 {
         assert_eq!(once(&client, addr, SERVER).await, Ok(false));
@@ -290,5 +295,73 @@ async fn with_the_chain_cache_off_every_chain_is_verified() {
         assert_eq!(side.chains("verified"), 3.0, "{}", side.metrics());
         assert_eq!(side.chains("cached"), 0.0, "{}", side.metrics());
     }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_picks_the_first_of_tls_ciphers_that_the_client_offers() {
+    let dir = temp_dir("ciphers");
+    let side = |ciphers: Option<&[&str]>| {
+        Side::build(&dir, Duration::from_secs(7200), false, &[], true, ciphers)
+    };
+    // A client preferring AES-256 (as ztunnel and OpenSSL do).
+    let aes256_first = side(Some(&["TLS_AES_256_GCM_SHA384", "TLS_AES_128_GCM_SHA256"]));
+    async fn cipher(client: &Side, addr: SocketAddr) -> String {
+        once_with_group(client, addr, SERVER).await.unwrap().2
+    }
+    let by_default = serve(&side(None)).await;
+    assert_eq!(cipher(&side(None), by_default).await, "TLS_AES_128_GCM_SHA256");
+    assert_eq!(cipher(&aes256_first, by_default).await, "TLS_AES_128_GCM_SHA256", "server order");
+    // An empty list: BoringSSL's defaults, where the server follows the client.
+    let boringssl = serve(&side(Some(&[]))).await;
+    assert_eq!(cipher(&aes256_first, boringssl).await, "TLS_AES_256_GCM_SHA384");
+    assert_eq!(cipher(&side(None), boringssl).await, "TLS_AES_128_GCM_SHA256");
+    // A server that requires AES-256.
+    let only256 = serve(&side(Some(&["TLS_AES_256_GCM_SHA384"]))).await;
+    assert_eq!(cipher(&side(None), only256).await, "TLS_AES_256_GCM_SHA384");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Tickets a plain BoringSSL client (our certificate, no verification) receives from `addr`
+/// when it offers `alpn` (wire format; `None`: no ALPN extension, as `openssl s_time`).
+async fn tickets_received(client: &Side, addr: SocketAddr, alpn: Option<&[u8]>) -> usize {
+    use boring::ssl::{Ssl, SslContext, SslMethod, SslSessionCacheMode, SslVerifyMode};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let bundle = client.store.fetch(&CLIENT.parse().unwrap()).await.unwrap();
+    let mut b = SslContext::builder(SslMethod::tls()).unwrap();
+    b.set_certificate(&boring::x509::X509::from_der(&bundle.cert_der).unwrap()).unwrap();
+    b.set_private_key(&bundle.key).unwrap();
+    b.set_verify(SslVerifyMode::NONE);
+    if let Some(a) = alpn {
+        b.set_alpn_protos(a).unwrap();
+    }
+    b.set_session_cache_mode(SslSessionCacheMode::CLIENT | SslSessionCacheMode::NO_INTERNAL);
+    let n = Arc::new(AtomicUsize::new(0));
+    let seen = n.clone();
+    b.set_new_session_callback(move |_, _| {
+        seen.fetch_add(1, Ordering::SeqCst);
+    });
+    let ctx = b.build();
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let mut s =
+        tokio_boring::SslStreamBuilder::new(Ssl::new(&ctx).unwrap(), tcp).connect().await.unwrap();
+    let mut byte = [0u8; 1];
+    s.read_exact(&mut byte).await.unwrap(); // the server's tickets come before its byte
+    let _ = s.shutdown().await;
+    n.load(Ordering::SeqCst)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tickets_go_only_to_clients_that_say_they_keep_them() {
+    let dir = temp_dir("tickets-alpn");
+    let server = Side::new(&dir, Duration::from_secs(7200), true);
+    let client = Side::new(&dir, Duration::from_secs(7200), true);
+    let addr = serve(&server).await;
+    let token = mbtunnel::tls::resume::client_alpn(true);
+    assert!(tickets_received(&client, addr, Some(&token)).await >= 1, "an mbtunnel peer");
+    assert_eq!(tickets_received(&client, addr, Some(b"\x02h2")).await, 0, "h2 only (ztunnel)");
+    assert_eq!(tickets_received(&client, addr, None).await, 0, "no ALPN (openssl s_time)");
+    // …and an mbtunnel client with resumption off does not offer the token.
+    assert_eq!(mbtunnel::tls::resume::client_alpn(false), b"\x02h2");
     let _ = std::fs::remove_dir_all(dir);
 }

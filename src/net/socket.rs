@@ -65,8 +65,12 @@ fn set_transparent(s: &Socket, v4: bool) -> bool {
 /// The original destination of a redirected connection (`SO_ORIGINAL_DST`, IPv4 or IPv6), or
 /// `None` when the connection was not NAT-redirected.
 pub fn original_dst(s: &TcpStream) -> Option<SocketAddr> {
+    original_dst_of(s, s.local_addr().ok()?)
+}
+
+/// [`original_dst`] of `s`, whose local address is `local`.
+fn original_dst_of(s: &TcpStream, local: SocketAddr) -> Option<SocketAddr> {
     let r = SockRef::from(s);
-    let local = s.local_addr().ok()?;
     let a = if local.is_ipv4() { r.original_dst_v4() } else { r.original_dst_v6() };
     a.ok().and_then(|a| a.as_socket())
 }
@@ -90,7 +94,8 @@ pub async fn first_bytes(s: &TcpStream) -> std::io::Result<bool> {
 /// Where a captured connection was going: the NAT original destination, else (TPROXY, eBPF
 /// socket assignment, or a direct connection) the accepted socket's local address.
 pub fn destination(s: &TcpStream) -> Option<SocketAddr> {
-    original_dst(s).or_else(|| s.local_addr().ok()).map(canonical)
+    let local = s.local_addr().ok()?;
+    Some(canonical(original_dst_of(s, local).unwrap_or(local)))
 }
 
 /// Options for sockets the proxy opens toward the network.

@@ -17,6 +17,7 @@
 #![deny(unsafe_code)]
 
 pub mod resume;
+pub mod suites;
 mod verify;
 
 use std::collections::HashMap;
@@ -151,6 +152,8 @@ pub struct TlsProvider {
     verify_cache: bool,
     /// `tls_groups` joined for BoringSSL; empty = its defaults.
     groups: String,
+    /// `tls_ciphers`: TLS 1.3 suites in strict preference order; empty = BoringSSL's defaults.
+    ciphers: Vec<String>,
     handshake_timeout: Duration,
     /// One gate per side: handshakes computing at once, admitted in arrival order.
     server_gate: Semaphore,
@@ -174,6 +177,7 @@ impl TlsProvider {
             resumption: false,
             verify_cache: true,
             groups: String::new(),
+            ciphers: suites::default_order(),
             handshake_timeout: crate::net::Limits::default().handshake_timeout,
             server_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
             client_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
@@ -201,6 +205,13 @@ impl TlsProvider {
     /// checked on every handshake either way: see [`verify`].
     pub fn with_verify_cache(mut self, on: bool) -> Self {
         self.verify_cache = on;
+        self
+    }
+
+    /// TLS 1.3 cipher suites in strict preference order, both sides (names from
+    /// [`suites::SUITES`]); empty = BoringSSL's defaults. See [`suites`] for the default.
+    pub fn with_ciphers(mut self, ciphers: &[String]) -> Self {
+        self.ciphers = ciphers.to_vec();
         self
     }
 
@@ -296,6 +307,7 @@ impl TlsProvider {
         if !self.groups.is_empty() {
             b.set_curves_list(&self.groups)?;
         }
+        suites::apply(&mut b, &self.ciphers).map_err(TlsError::Setup)?;
         b.set_certificate(X509::from_der(&bundle.cert_der)?.as_ref())?;
         for c in &bundle.chain_der {
             b.add_extra_chain_cert(X509::from_der(c)?)?;
@@ -338,7 +350,7 @@ impl TlsProvider {
         n: &mut usize,
     ) -> Result<SslContext, TlsError> {
         let mut b = self.common(bundle, crate::signer::Budget::Outbound)?;
-        b.set_alpn_protos(b"\x02h2")?;
+        b.set_alpn_protos(&resume::client_alpn(self.resumption))?;
         b.set_verify(SslVerifyMode::PEER);
         if self.resumption {
             b.set_session_cache_mode(

@@ -16,8 +16,15 @@
 //! - The client offers a session only to the address and expected identity it came from, and
 //!   uses each ticket once.
 //!
-//! ztunnel neither sends nor uses tickets, so interoperability is unchanged: a ztunnel client
-//! ignores our tickets, a ztunnel server sends none.
+//! - Tickets go only to mbtunnel peers: a client with resumption on offers the ALPN token
+//!   [`TICKETS_ALPN`] after `h2` (servers select `h2`; the token only says "this client keeps
+//!   tickets", as Istio's `istio-peer-exchange` token marks mesh peers), and the server turns
+//!   tickets off for any connection whose ClientHello lacks it. ztunnel and other clients, which
+//!   never resume with us, cost no ticket (about 1 KB on the wire, a session serialization and
+//!   an encryption per connection).
+//!
+//! ztunnel neither sends nor uses tickets, so interoperability is unchanged: a ztunnel server
+//! selects `h2` and ignores the token, a ztunnel client gets no tickets.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;
@@ -27,7 +34,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use boring::asn1::Asn1Time;
 use boring::ex_data::Index;
-use boring::ssl::{Ssl, SslContextBuilder, SslRef, SslSession};
+use boring::ssl::{ExtensionType, Ssl, SslContextBuilder, SslOptions, SslRef, SslSession};
 use boring::x509::X509Ref;
 
 use crate::identity::Identity;
@@ -40,6 +47,33 @@ pub const MAX_TICKET_LIFETIME: Duration = Duration::from_secs(3600);
 const PER_DESTINATION: usize = 2;
 /// Destinations the client keeps sessions for, per local certificate.
 const MAX_DESTINATIONS: usize = 4096;
+
+/// The ALPN token an mbtunnel client with resumption on offers after `h2`.
+pub const TICKETS_ALPN: &[u8] = b"mbtunnel-tickets";
+
+/// A client's ALPN list (wire format): `h2`, then [`TICKETS_ALPN`] when it keeps tickets.
+pub fn client_alpn(keeps_tickets: bool) -> Vec<u8> {
+    let mut v = b"\x02h2".to_vec();
+    if keeps_tickets {
+        v.push(TICKETS_ALPN.len() as u8);
+        v.extend_from_slice(TICKETS_ALPN);
+    }
+    v
+}
+
+/// Whether a ClientHello's ALPN extension body (a 2-byte length, then length-prefixed names)
+/// names [`TICKETS_ALPN`].
+pub fn offers_tickets(ext: &[u8]) -> bool {
+    let Some(mut list) = ext.get(2..) else { return false };
+    while let Some((&n, rest)) = list.split_first() {
+        let Some(name) = rest.get(..usize::from(n)) else { return false };
+        if name == TICKETS_ALPN {
+            return true;
+        }
+        list = &rest[usize::from(n)..];
+    }
+    false
+}
 
 /// Where a client session may be offered: the expected server identity at one address.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -71,6 +105,14 @@ pub fn server_context(
         // gets a new one with every connection, and each ticket costs an encryption.
         boring_sys::SSL_CTX_set_num_tickets(b.as_ptr(), 1);
     }
+    // Tickets only for clients that say they keep them (mbtunnel peers).
+    b.set_select_certificate_callback(|mut hello| {
+        let alpn = hello.get_extension(ExtensionType::APPLICATION_LAYER_PROTOCOL_NEGOTIATION);
+        if !alpn.is_some_and(offers_tickets) {
+            hello.ssl_mut().set_options(SslOptions::NO_TICKET);
+        }
+        Ok(())
+    });
     Ok(())
 }
 
@@ -201,4 +243,33 @@ pub fn remaining_of(cert: &X509Ref) -> Duration {
         return Duration::ZERO;
     }
     Duration::from_secs(left as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tickets_token_is_found_anywhere_in_a_well_formed_alpn_list_only() {
+        let ext = |names: &[&[u8]]| {
+            let mut list = Vec::new();
+            for n in names {
+                list.push(n.len() as u8);
+                list.extend_from_slice(n);
+            }
+            let mut e = (list.len() as u16).to_be_bytes().to_vec();
+            e.extend(list);
+            e
+        };
+        assert!(offers_tickets(&ext(&[b"h2", TICKETS_ALPN])));
+        assert!(offers_tickets(&ext(&[TICKETS_ALPN, b"h2"])));
+        assert!(!offers_tickets(&ext(&[b"h2"])));
+        assert!(!offers_tickets(&ext(&[b"h2", b"mbtunnel-ticket"])));
+        assert!(!offers_tickets(&[]));
+        // Truncated: a name whose length runs past the end.
+        let mut cut = ext(&[b"h2", TICKETS_ALPN]);
+        cut.pop();
+        assert!(!offers_tickets(&cut));
+        assert_eq!(&client_alpn(true)[3..], &ext(&[TICKETS_ALPN])[2..]);
+    }
 }
