@@ -52,6 +52,9 @@ pub struct BenchOptions {
     pub fill_wait: Option<Duration>,
     /// Rounds per point (modes interleaved); figures are medians over the rounds.
     pub repeat: usize,
+    /// TLS 1.3 resumption on both sides, the client offering the session it got from its
+    /// previous connection (as two mbtunnel peers do); off: every handshake is full.
+    pub resumption: bool,
 }
 
 impl Default for BenchOptions {
@@ -64,6 +67,7 @@ impl Default for BenchOptions {
             signer_threads: 0,
             fill_wait: None,
             repeat: 1,
+            resumption: false,
         }
     }
 }
@@ -75,6 +79,8 @@ pub struct BenchRow {
     pub concurrency: usize,
     pub handshakes: usize,
     pub failures: usize,
+    /// Handshakes that resumed a session (only with `resumption`).
+    pub resumed: usize,
     pub handshakes_per_s: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
@@ -94,6 +100,7 @@ pub struct BenchReport {
     pub seconds_per_point: f64,
     /// Rounds per point; each figure is the median over them.
     pub repeat: usize,
+    pub resumption: bool,
     pub rows: Vec<BenchRow>,
 }
 
@@ -119,6 +126,7 @@ fn side(
     mode: Mode,
     threads: usize,
     fill_wait: Option<Duration>,
+    resumption: bool,
 ) -> anyhow::Result<Side> {
     let ca = DevCa::load_or_create(dir, "cluster.local")?;
     let store = Arc::new(CertStore::new(ca, key, Duration::from_secs(3600)));
@@ -126,7 +134,8 @@ fn side(
     let signer = Signer::start(SignerConfig { threads, backend, fill_wait, ..Default::default() });
     let mut reg = prometheus_client::registry::Registry::default();
     let metrics = Arc::new(Metrics::new(&mut reg));
-    let mut tls = TlsProvider::new(store, signer.clone(), "cluster.local".into(), metrics);
+    let mut tls = TlsProvider::new(store, signer.clone(), "cluster.local".into(), metrics)
+        .with_resumption(resumption);
     if mode == Mode::Inline {
         tls = tls.with_inline_signing();
     }
@@ -170,8 +179,9 @@ async fn start_pair(
     server_id: &Identity,
     client_id: &Identity,
 ) -> anyhow::Result<Running> {
-    let server = side(dir, key, mode, opts.signer_threads, opts.fill_wait)?;
-    let client = side(dir, key, mode, opts.signer_threads, opts.fill_wait)?;
+    let (threads, fill, resume) = (opts.signer_threads, opts.fill_wait, opts.resumption);
+    let server = side(dir, key, mode, threads, fill, resume)?;
+    let client = side(dir, key, mode, threads, fill, resume)?;
     server.tls.store().fetch(server_id).await?;
     client.tls.store().fetch(client_id).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
@@ -200,6 +210,7 @@ async fn measure(
     key: KeyAlgorithm,
     conc: usize,
     duration: Duration,
+    resume: bool,
     server_id: &Identity,
     client_id: &Identity,
 ) -> anyhow::Result<BenchRow> {
@@ -213,31 +224,38 @@ async fn measure(
         let (tls, cid, sid) = (r.client.tls.clone(), client_id.clone(), server_id.clone());
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::new();
-            let mut fails = 0usize;
+            let (mut fails, mut resumed) = (0usize, 0usize);
             while Instant::now() < end {
                 let t = Instant::now();
                 let ok = async {
                     let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
                     let _ = tcp.set_nodelay(true);
-                    let mut s = tls.connect(tcp, &cid, &sid).await.ok()?;
+                    let dest = resume.then_some(addr);
+                    let mut s = tls.connect_to(tcp, &cid, &sid, dest).await.ok()?;
                     let mut b = [0u8; 1];
-                    s.read_exact(&mut b).await.ok()
+                    // Tickets arrive before this byte, so the next connection can offer one.
+                    s.read_exact(&mut b).await.ok()?;
+                    Some(s.ssl().session_reused())
                 }
                 .await;
                 match ok {
-                    Some(_) => lat.push(t.elapsed().as_secs_f64() * 1e3),
+                    Some(r) => {
+                        lat.push(t.elapsed().as_secs_f64() * 1e3);
+                        resumed += usize::from(r);
+                    }
                     None => fails += 1,
                 }
             }
-            (lat, fails)
+            (lat, fails, resumed)
         }));
     }
     let mut lat = Vec::new();
-    let mut failures = 0;
+    let (mut failures, mut resumed) = (0, 0);
     for t in tasks {
-        let (l, f) = t.await?;
+        let (l, f, r) = t.await?;
         lat.extend(l);
         failures += f;
+        resumed += r;
     }
     let wall = start.elapsed().as_secs_f64();
     let cpu = process_cpu_seconds() - cpu0;
@@ -254,6 +272,7 @@ async fn measure(
         concurrency: conc,
         handshakes: n,
         failures,
+        resumed,
         handshakes_per_s: n as f64 / wall,
         p50_ms: pct(0.5),
         p99_ms: pct(0.99),
@@ -283,6 +302,7 @@ fn median_row(rows: &[BenchRow]) -> BenchRow {
     BenchRow {
         handshakes: rows.iter().map(|r| r.handshakes).sum(),
         failures: rows.iter().map(|r| r.failures).sum(),
+        resumed: rows.iter().map(|r| r.resumed).sum(),
         handshakes_per_s: m(&|r| r.handshakes_per_s),
         p50_ms: m(&|r| r.p50_ms),
         p99_ms: m(&|r| r.p99_ms),
@@ -315,7 +335,8 @@ async fn run_async(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
             for _ in 0..opts.repeat.max(1) {
                 let mut round = Vec::new();
                 for p in &pairs {
-                    round.push(measure(p, key, conc, opts.duration, &server_id, &client_id).await?);
+                    let (d, resume) = (opts.duration, opts.resumption);
+                    round.push(measure(p, key, conc, d, resume, &server_id, &client_id).await?);
                 }
                 let base = round
                     .iter()
@@ -346,6 +367,7 @@ async fn run_async(opts: &BenchOptions) -> anyhow::Result<BenchReport> {
         cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
         seconds_per_point: opts.duration.as_secs_f64(),
         repeat: opts.repeat.max(1),
+        resumption: opts.resumption,
         rows,
     })
 }
@@ -355,13 +377,16 @@ impl std::fmt::Display for BenchReport {
         writeln!(
             f,
             "mTLS handshakes, client and server sides in one process ({} CPUs), {:.1} s per point, \
-             median of {} interleaved round(s)",
-            self.cpus, self.seconds_per_point, self.repeat
+             median of {} interleaved round(s), resumption {}",
+            self.cpus,
+            self.seconds_per_point,
+            self.repeat,
+            if self.resumption { "on (share resumed in the last column)" } else { "off" }
         )?;
         writeln!(f, "CPU: {} (AVX-512 features: {})", self.cpu, crate::mb::cpu_features())?;
         writeln!(
             f,
-            "{:<10} {:<14} {:>5} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>5}",
+            "{:<10} {:<14} {:>5} {:>9} {:>8} {:>8} {:>8} {:>10} {:>9} {:>5} {:>8}",
             "key",
             "mode",
             "conc",
@@ -371,12 +396,13 @@ impl std::fmt::Display for BenchReport {
             "p99 ms",
             "mean batch",
             "cpu s/1k",
-            "fail"
+            "fail",
+            "resumed"
         )?;
         for r in &self.rows {
             writeln!(
                 f,
-                "{:<10} {:<14} {:>5} {:>9.0} {:>8} {:>8.2} {:>8.2} {:>10} {:>9.2} {:>5}",
+                "{:<10} {:<14} {:>5} {:>9.0} {:>8} {:>8.2} {:>8.2} {:>10} {:>9.2} {:>5} {:>8.2}",
                 format!("{:?}", r.key).to_lowercase(),
                 r.mode.as_str(),
                 r.concurrency,
@@ -386,7 +412,8 @@ impl std::fmt::Display for BenchReport {
                 r.p99_ms,
                 r.mean_batch.map(|v| format!("{v:.2}")).unwrap_or_else(|| "-".into()),
                 r.cpu_s_per_1000,
-                r.failures
+                r.failures,
+                r.resumed as f64 / r.handshakes.max(1) as f64
             )?;
         }
         Ok(())

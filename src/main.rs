@@ -377,6 +377,10 @@ enum Bench {
         /// Rounds per point, the modes taking turns; each figure is the median over the rounds.
         #[arg(long, default_value_t = 1)]
         repeat: usize,
+        /// TLS 1.3 resumption on both sides, each client offering the session from its previous
+        /// connection (as mbtunnel peers do); without it every handshake is full.
+        #[arg(long)]
+        resumption: bool,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -630,6 +634,7 @@ fn main() -> anyhow::Result<()> {
             modes,
             signer_fill_us,
             repeat,
+            resumption,
             json,
         }) => {
             let opts = mbtunnel::bench::BenchOptions {
@@ -640,6 +645,7 @@ fn main() -> anyhow::Result<()> {
                 signer_threads,
                 fill_wait: signer_fill_us.map(std::time::Duration::from_micros),
                 repeat,
+                resumption,
             };
             let r = mbtunnel::bench::run(&opts)?;
             if json {
