@@ -23,8 +23,10 @@
 //!   never resume with us, cost no ticket (about 1 KB on the wire, a session serialization and
 //!   an encryption per connection).
 //!
-//! ztunnel neither sends nor uses tickets, so interoperability is unchanged: a ztunnel server
-//! selects `h2` and ignores the token, a ztunnel client gets no tickets.
+//! ztunnel's client never offers a session (its server does send tickets, which our client
+//! keeps and offers back; it resumes only if that server accepts them), so interoperability is
+//! unchanged: a ztunnel server selects `h2` and ignores the token, a ztunnel client gets no
+//! tickets from us.
 #![allow(unsafe_code)]
 
 use std::collections::HashMap;

@@ -156,7 +156,7 @@ fn ssl_of(ctx: &X509StoreContextRef) -> Option<&SslRef> {
 fn verify_peer(ctx: &mut X509StoreContextRef, cache: Option<&ChainCache>, m: &Metrics) -> bool {
     let Some((check, key)) = ssl_of(ctx).and_then(|ssl| {
         let check = ssl.ex_data(check_index())?.clone();
-        Some((check, cache.and(chain_key(ssl))))
+        Some((check, cache.and_then(|_| chain_key(ssl))))
     }) else {
         ctx.set_error(Err(X509VerifyError::APPLICATION_VERIFICATION));
         return false;
