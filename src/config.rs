@@ -532,13 +532,8 @@ impl Config {
                 self.pool_max_streams
             ));
         }
-        let suites = crate::tls::suites::SUITES;
-        if let Some(c) = self.tls_ciphers.iter().find(|c| !suites.iter().any(|(s, _)| s == c)) {
-            let known: Vec<&str> = suites.iter().map(|(s, _)| *s).collect();
-            return bad(format!(
-                "tls_ciphers: unknown TLS 1.3 suite '{c}' (known: {})",
-                known.join(", ")
-            ));
+        if let Err(e) = crate::tls::suites::ids(&self.tls_ciphers) {
+            return bad(format!("tls_ciphers: {e}"));
         }
         if let Some(g) = self.tls_groups.iter().find(|g| !crate::tls::GROUPS.contains(&g.as_str()))
         {

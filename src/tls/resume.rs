@@ -231,20 +231,12 @@ pub fn remaining(not_after: SystemTime) -> Duration {
 /// Time left on a certificate: zero when it has expired, is not valid yet, or its times cannot
 /// be read. Read from BoringSSL's parse (no re-encoding, no second parser on the handshake path).
 pub fn remaining_of(cert: &X509Ref) -> Duration {
-    let Ok(now) = Asn1Time::days_from_now(0) else { return Duration::ZERO };
-    // `a.diff(b)` is b − a.
-    let since_start = match now.diff(cert.not_before()) {
-        Ok(d) => -(i64::from(d.days) * 86_400 + i64::from(d.secs)),
-        Err(_) => return Duration::ZERO,
-    };
-    let left = match now.diff(cert.not_after()) {
-        Ok(d) => i64::from(d.days) * 86_400 + i64::from(d.secs),
-        Err(_) => return Duration::ZERO,
-    };
-    if since_start < 0 || left <= 0 {
-        return Duration::ZERO;
+    let Ok(now_asn1) = Asn1Time::days_from_now(0) else { return Duration::ZERO };
+    let now = SystemTime::now();
+    match super::verify::validity(cert, &now_asn1, now) {
+        Some((from, until)) if from <= now => until.duration_since(now).unwrap_or_default(),
+        _ => Duration::ZERO,
     }
-    Duration::from_secs(left as u64)
 }
 
 #[cfg(test)]

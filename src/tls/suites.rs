@@ -27,13 +27,10 @@ pub fn default_order() -> Vec<String> {
     SUITES.iter().map(|(n, _)| n.to_string()).collect()
 }
 
-/// Makes `names` (known names, see [`SUITES`]) the strict preference order of `b`'s TLS 1.3
-/// suites; an empty list leaves BoringSSL's defaults.
-pub fn apply(b: &mut SslContextBuilder, names: &[String]) -> Result<(), String> {
-    if names.is_empty() {
-        return Ok(());
-    }
-    let ids = names
+/// The protocol ids of `names`, or which name is unknown (the config check and the contexts
+/// share this).
+pub fn ids(names: &[String]) -> Result<Vec<u16>, String> {
+    names
         .iter()
         .map(|n| {
             SUITES.iter().find(|(s, _)| s == n).map(|&(_, id)| id).ok_or(format!(
@@ -41,7 +38,16 @@ pub fn apply(b: &mut SslContextBuilder, names: &[String]) -> Result<(), String> 
                 SUITES.iter().map(|(s, _)| *s).collect::<Vec<_>>().join(", ")
             ))
         })
-        .collect::<Result<Vec<u16>, String>>()?;
+        .collect()
+}
+
+/// Makes `names` (known names, see [`SUITES`]) the strict preference order of `b`'s TLS 1.3
+/// suites; an empty list leaves BoringSSL's defaults.
+pub fn apply(b: &mut SslContextBuilder, names: &[String]) -> Result<(), String> {
+    if names.is_empty() {
+        return Ok(());
+    }
+    let ids = ids(names)?;
     // SAFETY: `b` owns a valid SSL_CTX; `ids` is a valid array of `ids.len()` protocol ids and
     // no flags are passed (strict order). BoringSSL copies the list.
     let ok = unsafe {

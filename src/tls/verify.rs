@@ -243,7 +243,7 @@ fn window_of(chain: &StackRef<X509>) -> Option<Window> {
 }
 
 /// A certificate's not-before and not-after as system times (`now_asn1` is `now`).
-fn validity(
+pub(super) fn validity(
     cert: &X509Ref,
     now_asn1: &Asn1Time,
     now: SystemTime,
