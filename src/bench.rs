@@ -84,7 +84,7 @@ pub struct BenchRow {
     pub handshakes_per_s: f64,
     pub p50_ms: f64,
     pub p99_ms: f64,
-    /// Mean requests per signer batch (both sides), `None` inline.
+    /// Mean requests per signer batch (both sides); `None` inline, or when nothing was signed.
     pub mean_batch: Option<f64>,
     /// Process CPU seconds (user + system) per 1000 handshakes.
     pub cpu_s_per_1000: f64,
@@ -295,10 +295,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// The median of each figure over repeats of one point; `vs_inline` is the median of the
-/// per-round ratios against the inline point measured next to it.
+/// per-round ratios against the inline point measured next to it, and the mean batch the median
+/// over the rounds that signed at all (with resumption a round may sign nothing: that round has
+/// no batch size, not a batch size of 0).
 fn median_row(rows: &[BenchRow]) -> BenchRow {
     let m = |f: &dyn Fn(&BenchRow) -> f64| median(rows.iter().map(f).collect());
     let ratios: Vec<f64> = rows.iter().filter_map(|r| r.vs_inline).collect();
+    let batches: Vec<f64> = rows.iter().filter_map(|r| r.mean_batch).collect();
     BenchRow {
         handshakes: rows.iter().map(|r| r.handshakes).sum(),
         failures: rows.iter().map(|r| r.failures).sum(),
@@ -306,7 +309,7 @@ fn median_row(rows: &[BenchRow]) -> BenchRow {
         handshakes_per_s: m(&|r| r.handshakes_per_s),
         p50_ms: m(&|r| r.p50_ms),
         p99_ms: m(&|r| r.p99_ms),
-        mean_batch: rows[0].mean_batch.map(|_| m(&|r| r.mean_batch.unwrap_or(0.0))),
+        mean_batch: (!batches.is_empty()).then(|| median(batches)),
         cpu_s_per_1000: m(&|r| r.cpu_s_per_1000),
         vs_inline: (!ratios.is_empty()).then(|| median(ratios)),
         ..rows[0].clone()
@@ -417,5 +420,35 @@ impl std::fmt::Display for BenchReport {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(mean_batch: Option<f64>) -> BenchRow {
+        BenchRow {
+            key: KeyAlgorithm::EcdsaP256,
+            mode: Mode::SignerScalar,
+            concurrency: 1,
+            handshakes: 10,
+            failures: 0,
+            resumed: 0,
+            handshakes_per_s: 100.0,
+            p50_ms: 1.0,
+            p99_ms: 2.0,
+            mean_batch,
+            cpu_s_per_1000: 1.0,
+            vs_inline: None,
+        }
+    }
+
+    #[test]
+    fn a_round_that_signed_nothing_has_no_batch_size_in_the_median() {
+        // With resumption one round signs once (the first, full handshake), the next not at all.
+        assert_eq!(median_row(&[row(Some(1.0)), row(None)]).mean_batch, Some(1.0));
+        assert_eq!(median_row(&[row(None), row(Some(2.0)), row(Some(4.0))]).mean_batch, Some(3.0));
+        assert_eq!(median_row(&[row(None), row(None)]).mean_batch, None);
     }
 }

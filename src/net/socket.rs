@@ -94,8 +94,36 @@ pub async fn first_bytes(s: &TcpStream) -> std::io::Result<bool> {
 /// Where a captured connection was going: the NAT original destination, else (TPROXY, eBPF
 /// socket assignment, or a direct connection) the accepted socket's local address.
 pub fn destination(s: &TcpStream) -> Option<SocketAddr> {
+    addresses(s).map(|a| a.destination())
+}
+
+/// An accepted socket's own address and its NAT original destination, both canonical.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Addresses {
+    pub local: SocketAddr,
+    /// `SO_ORIGINAL_DST`, when conntrack knows the connection (redirected or not).
+    pub original: Option<SocketAddr>,
+}
+
+impl Addresses {
+    /// See [`destination`].
+    pub fn destination(&self) -> SocketAddr {
+        self.original.unwrap_or(self.local)
+    }
+
+    /// The original destination when the connection was NAT-redirected: conntrack answers
+    /// `SO_ORIGINAL_DST` for any tracked connection, and for one that was not redirected the
+    /// answer is the socket's own address.
+    pub fn redirected(&self) -> Option<SocketAddr> {
+        self.original.filter(|d| *d != self.local)
+    }
+}
+
+/// [`Addresses`] of `s`: one `getsockname` and one `SO_ORIGINAL_DST` lookup.
+pub fn addresses(s: &TcpStream) -> Option<Addresses> {
     let local = s.local_addr().ok()?;
-    Some(canonical(original_dst_of(s, local).unwrap_or(local)))
+    let original = original_dst_of(s, local).map(canonical);
+    Some(Addresses { local: canonical(local), original })
 }
 
 /// Options for sockets the proxy opens toward the network.
@@ -195,6 +223,30 @@ mod tests {
 
     fn opts(source: Option<IpAddr>) -> DialOpts<'static> {
         DialOpts { mark: 0, source, netns: None, timeout: Duration::from_secs(5) }
+    }
+
+    #[test]
+    fn a_connection_is_redirected_only_when_its_original_destination_is_elsewhere() {
+        let local: SocketAddr = "10.0.0.1:15001".parse().unwrap();
+        let svc: SocketAddr = "10.96.0.10:80".parse().unwrap();
+        let nat = Addresses { local, original: Some(svc) };
+        assert_eq!((nat.redirected(), nat.destination()), (Some(svc), svc));
+        // Conntrack active, no redirect: the original destination is the socket's own address.
+        let tracked = Addresses { local, original: Some(local) };
+        assert_eq!((tracked.redirected(), tracked.destination()), (None, local));
+        // TPROXY / eBPF assignment / no conntrack: no original destination at all.
+        let untracked = Addresses { local, original: None };
+        assert_eq!((untracked.redirected(), untracked.destination()), (None, local));
+    }
+
+    #[tokio::test]
+    async fn addresses_of_a_direct_connection_name_the_listener() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let at = l.local_addr().unwrap();
+        let _c = tokio::net::TcpStream::connect(at).await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        let a = addresses(&s).unwrap();
+        assert_eq!((a.local, a.redirected(), a.destination()), (at, None, at));
     }
 
     #[tokio::test]

@@ -12,7 +12,7 @@ use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey, Tunnel};
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
 use crate::net::netns::Netns;
-use crate::net::socket::{destination, dial, original_dst};
+use crate::net::socket::dial;
 use crate::state::Protocol;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -29,15 +29,8 @@ pub async fn handle(
     pod_uid: Option<Arc<str>>,
 ) {
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    // Conntrack answers SO_ORIGINAL_DST for any tracked connection, redirected or not: "not
-    // redirected" is then an original destination equal to the socket's own address.
-    let local = client.local_addr().ok().map(crate::net::socket::canonical);
-    let redirected =
-        original_dst(&client).map(crate::net::socket::canonical).filter(|d| Some(*d) != local);
-    let dst = match destination(&client) {
-        Some(d) => d,
-        None => return,
-    };
+    let Some(addrs) = crate::net::socket::addresses(&client) else { return };
+    let (redirected, dst) = (addrs.redirected(), addrs.destination());
     let span = tracing::info_span!("outbound", id, src = %peer, dst = %dst);
     // Set-up runs in the connection's span; the relay after it runs outside (see `ConnRecord`).
     // Boxed: set-up is most of this future's size (pool, TLS, dial), and a task's future is

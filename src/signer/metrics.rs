@@ -117,7 +117,11 @@ impl SignerMetrics {
     /// Registers the metrics (clones share state) under `mbtunnel_signer_`.
     pub fn register(&self, registry: &mut Registry, backend: &crate::mb::BackendChoice) {
         let r = registry.sub_registry_with_prefix("mbtunnel_signer");
-        r.register("ops", "Signatures computed, by algorithm and backend", self.ops.clone());
+        r.register(
+            "ops",
+            "Signatures computed, by queue (algorithm; other: BoringSSL single-op) and backend",
+            self.ops.clone(),
+        );
         r.register("batch_size", "Requests per batch, by algorithm", self.batch_size.clone());
         r.register(
             "queue_wait_seconds",
