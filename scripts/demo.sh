@@ -79,7 +79,8 @@ echo "echo server saw:    $(head -n1 "$WORK/echo.log") (source address as seen b
 echo "identities:"
 get http://127.0.0.2:15000/config_dump | grep -o '"identity": "[^"]*"' | sed 's/^/  node A holds /'
 get http://127.0.0.3:15000/config_dump | grep -o '"identity": "[^"]*"' | sed 's/^/  node B holds /'
-echo "signer:             $("$BIN" doctor | tr '\n' ' ')"
+echo "signer (mbtunnel doctor):"
+"$BIN" doctor | sed 's/^/  /'
 echo "-- proxy A (reporter=source), the 1 MiB client --"
 echo "$MA" | grep -E 'sa/client"|^mbtunnel' | grep -E '^(istio_tcp_(sent|received)_bytes_total|istio_tcp_connections_(opened|closed)_total|mbtunnel_tls_handshakes_total|mbtunnel_signer_backend_info|mbtunnel_hbone_pool_connections)' || true
 echo "-- proxy B (reporter=destination), the 1 MiB client --"

@@ -430,16 +430,27 @@ pub fn doctor() -> String {
     s.push_str(&format!("  why: {}\n", c.reason));
     let env = std::env::var(mb::BACKEND_ENV).unwrap_or_else(|_| "(unset)".into());
     s.push_str(&format!("  {}={env}\n", mb::BACKEND_ENV));
-    s.push_str(&format!(
-        "RSA: {} for 2048/3072/4096-bit keys with e = 65537 (8 lanes, fault-checked); other keys \
-         use BoringSSL single-op\n",
-        c.backend
-    ));
-    s.push_str(&format!(
-        "RSA fault-check failures since start: {}\n",
-        mb::rsa::fault_check_failures()
-    ));
+    s.push_str(&routes(c.backend));
+    s.push_str(
+        "RSA fault-check failures of a running proxy: mbtunnel_signer_fault_check_failures_total \
+         on its :15020/metrics\n",
+    );
     s
+}
+
+/// How the signer signs each kind of key on `backend` (what `doctor` prints).
+fn routes(backend: mb::Backend) -> String {
+    match backend {
+        mb::Backend::Ifma => "keys:\n  \
+             RSA 2048/3072/4096-bit, e = 65537: IFMA batches of up to 8, each signature checked \
+             against the public key before it is released (fault check)\n  \
+             ECDSA P-256: IFMA batches of up to 8\n  \
+             other keys: BoringSSL, one signature at a time\n"
+            .into(),
+        mb::Backend::Scalar => "keys:\n  \
+             every key: BoringSSL, one signature at a time (the scalar backend makes no batches)\n"
+            .into(),
+    }
 }
 
 fn yes(b: bool) -> &'static str {
@@ -453,6 +464,17 @@ fn yes(b: bool) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn doctor_claims_batches_only_on_the_ifma_backend() {
+        let (ifma, scalar) = (routes(mb::Backend::Ifma), routes(mb::Backend::Scalar));
+        assert!(ifma.contains("RSA 2048/3072/4096-bit, e = 65537: IFMA batches"), "{ifma}");
+        assert!(ifma.contains("ECDSA P-256: IFMA batches"), "{ifma}");
+        assert!(!scalar.contains("IFMA batches") && !scalar.contains("lanes"), "{scalar}");
+        assert!(scalar.contains("every key: BoringSSL, one signature at a time"), "{scalar}");
+        // A fresh process has signed nothing: it names where a running proxy's count is instead.
+        assert!(doctor().contains("mbtunnel_signer_fault_check_failures_total"));
+    }
 
     #[test]
     fn report_renders_as_table_and_json() {
