@@ -445,6 +445,8 @@ fn routes(backend: mb::Backend) -> String {
              RSA 2048/3072/4096-bit, e = 65537: IFMA batches of up to 8, each signature checked \
              against the public key before it is released (fault check)\n  \
              ECDSA P-256: IFMA batches of up to 8\n  \
+             (a batch of at most the crossover, or signer_scalar_below, and a cheap request on \
+             an idle signer sign with BoringSSL instead: README, \"The signer\")\n  \
              other keys: BoringSSL, one signature at a time\n"
             .into(),
         mb::Backend::Scalar => "keys:\n  \
