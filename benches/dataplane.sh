@@ -197,6 +197,13 @@ measure() { # dir workload rss_at cmd... → dir/workload.json, dir/workload.out
   sleep 0.5
 }
 
+tls_refusals() { # → "<refused handshakes, not closes> <closed or reset by the peer>" (mbtunnel server)
+  { get "$B" http://127.0.0.1:15020/metrics || true; } | awk '
+    /^mbtunnel_connections_refused_total\{reason="tls_/ {
+      if ($1 ~ /"tls_peer_closed"/) c += $NF; else r += $NF }
+    END {printf "%d %d\n", r, c}'
+}
+
 run_product() { # product round attempt → dir in RUN_DIR
   local prod=$1 dir="$WORK/runs/$1-r$2-a$3"
   mkdir -p "$dir"; RUN_DIR=$dir
@@ -234,18 +241,26 @@ run_product() { # product round attempt → dir in RUN_DIR
   grep -qi 'alert' <<<"$sc" && accepted=0
   local tickets
   tickets=$(grep -c 'Post-Handshake New Session Ticket' <<<"$sc" || true)
-  # Server-side handshake failures logged during the run, apart from the client's abrupt close
-  # (s_time closes its socket right after its Finished: a server that still writes then, e.g. a
-  # session ticket, sees a reset; its handshake work is done by then).
+  # Server-side handshake failures during the run, apart from the client's abrupt close (s_time
+  # closes its socket right after its Finished: a server that still writes then, e.g. a session
+  # ticket, sees a reset; its handshake work is done by then). ztunnel's come from its log (a
+  # line per failure); mbtunnel logs a reason at most once a second, so its come from its
+  # refusal counter (`tls_peer_closed` = the peer's close or reset).
   local hsfail='tls handshake error|TLS handshake with peer failed'
   local reset='ConnectionReset|Connection reset|BrokenPipe|Broken pipe|UnexpectedEof|unexpected eof'
-  local lines0
+  local lines0 ref0="0 0" ref1
   lines0=$(wc -l < "$dir/server.log")
+  [ "$prod" = ztunnel ] || ref0=$(tls_refusals)
   measure "$dir" hs -1 ip netns exec "$A" bash -c "$hs_cmd wait"
   sleep 0.5
   local rej rst
-  rej=$(tail -n +"$((lines0 + 1))" "$dir/server.log" | grep -E "$hsfail" | grep -cvE "$reset" || true)
-  rst=$(tail -n +"$((lines0 + 1))" "$dir/server.log" | grep -E "$hsfail" | grep -cE "$reset" || true)
+  if [ "$prod" = ztunnel ]; then
+    rej=$(tail -n +"$((lines0 + 1))" "$dir/server.log" | grep -E "$hsfail" | grep -cvE "$reset" || true)
+    rst=$(tail -n +"$((lines0 + 1))" "$dir/server.log" | grep -E "$hsfail" | grep -cE "$reset" || true)
+  else
+    ref1=$(tls_refusals)
+    rej=$(( ${ref1% *} - ${ref0% *} )); rst=$(( ${ref1#* } - ${ref0#* } ))
+  fi
   local hsr_cmd=""
   for i in $(seq 1 "$HS_PROCS"); do
     hsr_cmd+="openssl s_time -connect $IP_B:15008 -reuse -www / -time $SECS -cert $WORK/hs-cert.pem -key $WORK/hs-key.pem > $dir/hsr-$i.out 2>&1 & "

@@ -240,6 +240,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         metrics,
         limits,
         workers,
+        peer_logs: Default::default(),
     });
     if ebpf.is_some() {
         // HBONE to a pod of this node stays in the process: dialled, it would leave the node's

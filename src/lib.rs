@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod net;
 pub mod proto;
 pub mod proxy;
+pub mod ratelog;
 pub mod redirect;
 pub mod signer;
 pub mod speed;

@@ -201,8 +201,9 @@ pub struct ListenerLabels {
 pub struct H2ErrorLabels {
     /// `client` or `server`.
     pub side: &'static str,
-    /// The HTTP/2 error code (`ENHANCE_YOUR_CALM`, `PROTOCOL_ERROR`, …) or `io`.
-    pub kind: String,
+    /// The HTTP/2 error code (`ENHANCE_YOUR_CALM`, `PROTOCOL_ERROR`, …), `unknown` for a code
+    /// RFC 9113 does not define, `io`, or `other`.
+    pub kind: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -239,6 +240,40 @@ pub struct Metrics {
     pub h2_errors: Family<H2ErrorLabels, Counter>,
     pub tls_alerts: Family<AlertLabels, Counter>,
     pub chain_checks: Family<ChainCheckLabels, Counter>,
+}
+
+/// The label of an HTTP/2 error: the name of its RFC 9113 code, `unknown` for any other code (a
+/// peer chooses the code: naming each one it sends would let it grow the label set without
+/// bound), `io`, or `other`.
+pub fn h2_error_kind(e: &(dyn std::error::Error + 'static)) -> &'static str {
+    const NAMES: [&str; 14] = [
+        "NO_ERROR",
+        "PROTOCOL_ERROR",
+        "INTERNAL_ERROR",
+        "FLOW_CONTROL_ERROR",
+        "SETTINGS_TIMEOUT",
+        "STREAM_CLOSED",
+        "FRAME_SIZE_ERROR",
+        "REFUSED_STREAM",
+        "CANCEL",
+        "COMPRESSION_ERROR",
+        "CONNECT_ERROR",
+        "ENHANCE_YOUR_CALM",
+        "INADEQUATE_SECURITY",
+        "HTTP_1_1_REQUIRED",
+    ];
+    let mut src = Some(e);
+    while let Some(x) = src {
+        if let Some(h) = x.downcast_ref::<h2::Error>() {
+            return match h.reason() {
+                Some(r) => NAMES.get(u32::from(r) as usize).copied().unwrap_or("unknown"),
+                None if h.is_io() => "io",
+                None => "other",
+            };
+        }
+        src = x.source();
+    }
+    "other"
 }
 
 fn handshake_histogram() -> Histogram {
@@ -319,25 +354,36 @@ impl Metrics {
     }
 
     /// Counts an HTTP/2 connection error, by the h2 error code when there is one.
-    pub fn h2_error(&self, side: &'static str, e: &(dyn std::error::Error + 'static)) -> String {
-        let mut src: Option<&(dyn std::error::Error + 'static)> = Some(e);
-        let mut kind = "other".to_string();
-        while let Some(x) = src {
-            if let Some(h) = x.downcast_ref::<h2::Error>() {
-                kind = match h.reason() {
-                    Some(r) => format!("{r:?}"),
-                    None if h.is_io() => "io".into(),
-                    None => "other".into(),
-                };
-                break;
-            }
-            src = x.source();
-        }
-        self.h2_errors.get_or_create(&H2ErrorLabels { side, kind: kind.clone() }).inc();
+    pub fn h2_error(
+        &self,
+        side: &'static str,
+        e: &(dyn std::error::Error + 'static),
+    ) -> &'static str {
+        let kind = h2_error_kind(e);
+        self.h2_errors.get_or_create(&H2ErrorLabels { side, kind }).inc();
         kind
     }
 
     pub fn refuse(&self, reason: &'static str) {
         self.refused.get_or_create(&RefusalLabels { reason }).inc();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn h2_error_kinds_are_the_rfc_names_and_a_bounded_rest() {
+        for code in 0u32..14 {
+            let r = h2::Reason::from(code);
+            let e = h2::Error::from(r);
+            assert_eq!(h2_error_kind(&e), format!("{r:?}"), "code {code}");
+        }
+        // Codes a peer makes up share one label instead of one series each.
+        for code in [14u32, 0xdead, u32::MAX] {
+            assert_eq!(h2_error_kind(&h2::Error::from(h2::Reason::from(code))), "unknown");
+        }
+        assert_eq!(h2_error_kind(&std::io::Error::other("x")), "other");
     }
 }

@@ -93,3 +93,90 @@ fn sigterm_drains_and_exits_zero() {
     assert!(log.lines().any(|l| l.starts_with('{')), "json log format: {log}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return String::new() };
+    let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+/// Garbage on the HBONE port: every connection is refused and counted, but the log speaks for
+/// each reason at most once a second (with `suppressed`), not once per connection.
+#[test]
+fn peer_caused_refusals_are_counted_each_and_logged_once_a_second() {
+    use std::io::{BufRead, Read, Write};
+    let dir = std::env::temp_dir().join(format!("mbt-cli-flood-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("n.yaml");
+    // The inbound listener is on the workload's own address: a direct connection reaches it.
+    std::fs::write(
+        &cfg,
+        format!(
+            "node_name: n\nca_dir: {}/ca\noutbound_addr: 127.0.22.2:0\ninbound_addr: 127.0.22.2:15008\n\
+             inbound_plaintext_addr: 127.0.22.2:0\nmetrics_addr: 127.0.22.2:15020\n\
+             readiness_addr: 127.0.22.2:15021\nadmin_addr: 127.0.22.2:0\nworkloads:\n\
+             - {{uid: a, name: a, namespace: demo, service_account: a, ips: [127.0.22.2], node: n}}\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    let mut child = bin()
+        .arg("run")
+        .arg("--config")
+        .arg(&cfg)
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        std::io::BufReader::new(stderr).lines().map_while(Result::ok).collect::<Vec<_>>()
+    });
+    let mut ready = false;
+    for _ in 0..200 {
+        std::thread::sleep(Duration::from_millis(50));
+        if http_get("127.0.22.2:15021", "/healthz/ready").starts_with("HTTP/1.1 200") {
+            ready = true;
+            break;
+        }
+    }
+    assert!(ready, "the proxy did not become ready");
+    const N: usize = 40;
+    let start = std::time::Instant::now();
+    for _ in 0..N {
+        let mut s = std::net::TcpStream::connect("127.0.22.2:15008").unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+        // Until the proxy has refused it (alert, then close).
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    }
+    let elapsed = start.elapsed();
+    let metrics = http_get("127.0.22.2:15020", "/metrics");
+    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    assert!(child.wait().unwrap().success());
+    let log = reader.join().unwrap();
+    let refused: u64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("mbtunnel_connections_refused_total{reason=\"tls_"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum();
+    assert_eq!(refused, N as u64, "every refusal counted:\n{metrics}");
+    let lines: Vec<_> =
+        log.iter().filter(|l| l.contains("refused: TLS handshake with peer failed")).collect();
+    // The first one at once, then at most one a second per reason (a single reason here).
+    assert!(!lines.is_empty(), "no refusal logged:\n{}", log.join("\n"));
+    assert!(
+        lines.len() as u64 <= 1 + elapsed.as_secs(),
+        "{} lines for {N} refusals in {elapsed:?}:\n{}",
+        lines.len(),
+        log.join("\n")
+    );
+    assert!(lines[0].contains("suppressed=0"), "{}", lines[0]);
+    let _ = std::fs::remove_dir_all(dir);
+}

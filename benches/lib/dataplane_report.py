@@ -156,7 +156,7 @@ def parse_run(d):
             v["hs_total"] = total
             rej = meta.get("hs_server_rejections", 0)
             if rej > 0.01 * total:
-                problems.append("hs: the server logged %d failed handshakes (not resets) of %d" % (rej, total))
+                problems.append("hs: the server refused %d handshakes (not resets) of %d" % (rej, total))
             v["hs_reset_share"] = meta.get("hs_server_resets", 0) / total
         else:
             problems.append("hs: no handshakes")
@@ -309,7 +309,7 @@ def table(argv):
         ("fixed rate: RSS server-side proxy", "fixed_rss_server_mib", "mib"),
         ("RSS per proxy after all workloads (mean of the two)", "rss_end_mib", "mib"),
         ("connection per request: proxy CPU-seconds per 1000 connections", "cpr_cpu_per_k", "4"),
-        ("handshakes: share the server logged as reset by s_time's close", "hs_reset_share", "2"),
+        ("handshakes: share the server saw reset by s_time's close", "hs_reset_share", "2"),
         ("handshakes: TLS 1.3 session tickets the server sends (one s_client)", "hs_tickets", "int"),
         ("`s_time -reuse`: share of the timed handshakes that resumed", "hsr_resumed_share", "2"),
         ("sockets in TIME-WAIT after the connection-per-request run (both nodes)", "time_wait", "int"),
@@ -341,8 +341,8 @@ def table(argv):
                  "reconnects; the HBONE connection between the proxies stays pooled); handshakes are %d "
                  "parallel `openssl s_time -new` straight to the server proxy's 15008 with a client leaf "
                  "(EC P-256, `spiffe://cluster.local/ns/default/sa/client`) from the shared root — s_time "
-                 "offers no ALPN, which both servers accept%s; the server's log is checked for rejected "
-                 "handshakes, since s_time counts a TLS 1.3 handshake before the server has judged the "
+                 "offers no ALPN, which both servers accept%s; the server is checked for rejected handshakes "
+                 "(ztunnel's log, mbtunnel's `mbtunnel_connections_refused_total{reason=\"tls_*\"}`), since s_time counts a TLS 1.3 handshake before the server has judged the "
                  "client certificate; the `-reuse` run is the same with `s_time -reuse -www /`: each "
                  "client would resume a session from a TLS 1.3 ticket, and neither server gives s_time "
                  "one that it uses (mbtunnel sends tickets only to clients offering its "

@@ -85,7 +85,8 @@ async fn serve_hbone_pending<S: Stream>(
     async move {
         let Some(local) = ctx.state.local_workload_by_ip(reached.ip()) else {
             ctx.metrics.refuse("no_local_workload");
-            tracing::warn!("refused: {} is not a workload on this node", reached.ip());
+            crate::log_limited!(ctx.peer_logs, ("hbone", "no_local_workload"), warn,
+                "refused: {} is not a workload on this node", reached.ip());
             return;
         };
         let local_id = ctx.state.identity_of(&local);
@@ -107,7 +108,8 @@ async fn serve_hbone_pending<S: Stream>(
             Ok(x) => x,
             Err(e) => {
                 ctx.metrics.refuse(e.reason());
-                tracing::warn!(error = %e, reason = e.reason(), "refused: TLS handshake with peer failed");
+                crate::log_limited!(ctx.peer_logs, ("tls", e.reason()), warn,
+                    error = %e, reason = e.reason(), "refused: TLS handshake with peer failed");
                 return;
             }
         };
@@ -120,12 +122,14 @@ async fn serve_hbone_pending<S: Stream>(
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
                     let kind = ctx.metrics.h2_error("server", &e);
-                    tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+                    crate::log_limited!(ctx.peer_logs, ("h2", kind), info,
+                        error = %e, kind, "HBONE connection ended by an HTTP/2 error");
                     return;
                 }
                 Err(_) => {
                     ctx.metrics.refuse("h2_preface_timeout");
-                    tracing::info!("HBONE connection closed: no HTTP/2 preface in time");
+                    crate::log_limited!(ctx.peer_logs, ("h2", "preface_timeout"), info,
+                        "HBONE connection closed: no HTTP/2 preface in time");
                     return;
                 }
             };
@@ -146,14 +150,16 @@ async fn serve_hbone_pending<S: Stream>(
                         }
                         Some(Err(e)) => {
                             let kind = ctx.metrics.h2_error("server", &e);
-                            tracing::info!(error = %e, kind, "HBONE connection ended by an HTTP/2 error");
+                            crate::log_limited!(ctx.peer_logs, ("h2", kind), info,
+                                error = %e, kind, "HBONE connection ended by an HTTP/2 error");
                             break;
                         }
                         // Closed by the peer, or (draining) every stream has finished.
                         None => break,
                     },
                     why = &mut keepalive => {
-                        tracing::info!(why, "HBONE connection closed: keepalive failed");
+                        crate::log_limited!(ctx.peer_logs, ("keepalive", why), info,
+                            why, "HBONE connection closed: keepalive failed");
                         break;
                     }
                     _ = ctx.drain.signaled(), if !draining => {
@@ -340,14 +346,23 @@ pub async fn handle_plaintext(
                 || (netns.is_some() && crate::inpod::PROXY_PORTS.contains(&dst.port()))
             {
                 ctx.metrics.refuse("loop");
-                tracing::warn!(
+                crate::log_limited!(
+                    ctx.peer_logs,
+                    ("plaintext", "loop"),
+                    warn,
                     "refused: plaintext connection to the proxy's own listener would loop"
                 );
                 return None;
             }
             let Some(dst_wl) = ctx.state.local_workload_by_ip(dst.ip()) else {
                 ctx.metrics.refuse("no_local_workload");
-                tracing::warn!("refused: {} is not a workload on this node", dst.ip());
+                crate::log_limited!(
+                    ctx.peer_logs,
+                    ("plaintext", "no_local_workload"),
+                    warn,
+                    "refused: {} is not a workload on this node",
+                    dst.ip()
+                );
                 return None;
             };
             // No identity: the source workload is only what its address says.

@@ -15,6 +15,7 @@ use tokio::sync::{watch, Notify};
 use crate::hbone::Pool;
 use crate::metrics::{ConnLabels, Metrics};
 use crate::net::Workers;
+use crate::ratelog::RateLog;
 use crate::state::State;
 use crate::tls::TlsProvider;
 
@@ -37,6 +38,9 @@ pub struct Ctx {
     pub pending: Arc<PendingHandshakes>,
     /// The threads connections run on.
     pub workers: Arc<Workers>,
+    /// Per-connection lines a peer can cause (refusals, HTTP/2 errors): one a second per
+    /// (site, reason), the rest at debug (see `crate::ratelog`).
+    pub peer_logs: RateLog<(&'static str, &'static str)>,
 }
 
 impl Ctx {

@@ -374,31 +374,6 @@ impl Queues {
     }
 }
 
-/// At most one log line per interval; counts what it left out.
-struct RateLog {
-    last: Mutex<Option<Instant>>,
-    suppressed: AtomicU64,
-}
-
-impl RateLog {
-    const EVERY: Duration = Duration::from_secs(1);
-
-    fn new() -> Self {
-        RateLog { last: Mutex::new(None), suppressed: AtomicU64::new(0) }
-    }
-
-    /// `Some(n)`: log now, standing for `n` earlier events that were not logged.
-    fn allow(&self, now: Instant) -> Option<u64> {
-        let mut last = self.last.lock().unwrap();
-        if last.is_some_and(|t| now.saturating_duration_since(t) < Self::EVERY) {
-            self.suppressed.fetch_add(1, Ordering::Relaxed);
-            return None;
-        }
-        *last = Some(now);
-        Some(self.suppressed.swap(0, Ordering::Relaxed))
-    }
-}
-
 struct Shared {
     cfg: SignerConfig,
     queues: Mutex<Queues>,
@@ -428,7 +403,7 @@ struct Shared {
     /// Single-op cost per key kind, measured once.
     kind_costs: Mutex<std::collections::HashMap<String, Option<Duration>>>,
     /// Rate limit of the queue-full warning.
-    reject_log: RateLog,
+    reject_log: crate::ratelog::RateLog<()>,
     /// Signer threads started.
     threads: usize,
     /// Signatures being computed inline right now (callers' threads).
@@ -589,7 +564,7 @@ impl Signer {
             inline_max_ns: AtomicU64::new(0),
             inline_busy_max_ns: AtomicU64::new(0),
             kind_costs: Mutex::new(Default::default()),
-            reject_log: RateLog::new(),
+            reject_log: Default::default(),
             threads: n,
             inline_inflight: AtomicUsize::new(0),
         });
@@ -775,7 +750,7 @@ impl Signer {
                 let m = &self.shared.metrics;
                 m.rejected.get_or_create(&ReasonLabels { reason: "queue_full" }).inc();
                 m.budget_rejected.get_or_create(&BudgetLabels { budget: budget.as_str() }).inc();
-                if let Some(suppressed) = self.shared.reject_log.allow(Instant::now()) {
+                if let Some(suppressed) = self.shared.reject_log.allow((), Instant::now()) {
                     tracing::warn!(
                         depth,
                         budget = budget.as_str(),
@@ -1251,17 +1226,6 @@ mod tests {
         f.arrive(after);
         assert!(f.gap.unwrap() > 0.012, "{:?}", f.gap);
         assert_eq!(FillPolicy::hold_until(2, 8 * MS, after, &f, after, false, true), None);
-    }
-
-    #[test]
-    fn the_rejection_log_speaks_once_a_second_and_counts_the_rest() {
-        let log = RateLog::new();
-        let t = Instant::now();
-        assert_eq!(log.allow(t), Some(0));
-        assert_eq!(log.allow(t + 10 * MS), None);
-        assert_eq!(log.allow(t + 500 * MS), None);
-        assert_eq!(log.allow(t + 1001 * MS), Some(2), "the two left out are counted");
-        assert_eq!(log.allow(t + 1002 * MS), None);
     }
 
     #[test]

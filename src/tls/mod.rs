@@ -562,13 +562,20 @@ fn store_len(ctx: &SslContext) -> usize {
     ctx.cert_store().objects().len()
 }
 
-/// Counts alerts and logs them: received ones at info (the peer refused us, and says why), sent
-/// ones at debug.
+/// Counts alerts and logs them: received ones at info (the peer refused us, and says why), at
+/// most once a second per alert (any peer can send one per connection; see `crate::ratelog`), a
+/// `close_notify` (an orderly close, not a refusal) and sent ones at debug.
 fn count_alert(metrics: &Metrics, mode: SslInfoCallbackMode, v: SslInfoCallbackValue) {
+    static RECEIVED: std::sync::LazyLock<crate::ratelog::RateLog<&'static str>> =
+        std::sync::LazyLock::new(Default::default);
     let SslInfoCallbackValue::Alert(a) = v else { return };
     let alert = alert_name(a.alert());
     let direction = if mode == SslInfoCallbackMode::READ_ALERT {
-        tracing::info!(alert, "TLS alert received from the peer");
+        if alert == "close_notify" {
+            tracing::debug!(alert, "TLS alert received from the peer");
+        } else {
+            crate::log_limited!(RECEIVED, alert, info, alert, "TLS alert received from the peer");
+        }
         "received"
     } else if mode == SslInfoCallbackMode::WRITE_ALERT {
         tracing::debug!(alert, "TLS alert sent to the peer");
