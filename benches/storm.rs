@@ -4,7 +4,9 @@
 //!    contexts made the way they were before (`SslConnector::builder`, which loads the system
 //!    trust store into every context);
 //! 2. handshake storm: N TLS handshakes started at once against one server — median completion
-//!    time as a share of the storm's duration, with the admission bound and without it;
+//!    time as a share of the storm's duration, with the admission bound and without it, and
+//!    where it comes from: when the TCP connects were done and how long each quarter of the
+//!    handshakes took to finish;
 //! 3. silent flood: F connections that never speak, sent to the HBONE port of a proxy limited to
 //!    4,096 file descriptors, while a client makes L requests through two proxies — success rate;
 //! 4. source-address dials: connections per second from one source address with
@@ -131,8 +133,39 @@ async fn identity_storm() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// 2. N handshakes at once; returns (median completion / storm duration, duration).
-async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f64, f64) {
+/// One handshake storm's completion profile, in seconds from its start.
+struct Storm {
+    /// Median completion / duration.
+    share: f64,
+    duration: f64,
+    /// When the last client TCP connect finished (the set-up every handshake waits behind).
+    connected: f64,
+    /// When a quarter, half and three quarters of the handshakes had finished.
+    quarters: [f64; 3],
+}
+
+impl Storm {
+    const STALLED: Storm =
+        Storm { share: f64::NAN, duration: f64::NAN, connected: f64::NAN, quarters: [f64::NAN; 3] };
+
+    /// Seconds each quarter of the handshakes took to finish.
+    fn quarter_spans(&self) -> String {
+        let q = self.quarters;
+        let ends = [q[0], q[1], q[2], self.duration];
+        let mut prev = 0.0;
+        ends.iter()
+            .map(|e| {
+                let d = e - prev;
+                prev = *e;
+                format!("{d:.2}")
+            })
+            .collect::<Vec<_>>()
+            .join(" / ")
+    }
+}
+
+/// 2. N handshakes at once.
+async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> Storm {
     let limits = mbtunnel::net::Limits {
         max_concurrent_handshakes: max_concurrent,
         handshake_timeout: Duration::from_secs(600),
@@ -172,15 +205,17 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f
         let (client, cid, sid) = (client.clone(), cid.clone(), sid.clone());
         tasks.push(tokio::spawn(async move {
             let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let connected = start.elapsed().as_secs_f64();
             let tls = client.connect(tcp, &cid, &sid).await;
             let t = start.elapsed().as_secs_f64();
-            (tls.is_ok(), t)
+            (tls.is_ok(), t, connected)
         }));
     }
     let mut done = Vec::with_capacity(n);
+    let mut connected: f64 = 0.0;
     let mut failed = 0;
     for t in tasks {
-        let (ok, secs) = match tokio::time::timeout(Duration::from_secs(120), t).await {
+        let (ok, secs, conn) = match tokio::time::timeout(Duration::from_secs(120), t).await {
             Ok(r) => r.unwrap(),
             Err(_) => {
                 // Stalled: say where, so the stall can be diagnosed, then give up on this storm.
@@ -192,18 +227,26 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> (f
                     client_signer.dump()
                 );
                 acceptor.abort();
-                return (f64::NAN, f64::NAN);
+                return Storm::STALLED;
             }
         };
         if !ok {
             failed += 1;
         }
         done.push(secs);
+        connected = connected.max(conn);
     }
     let duration = start.elapsed().as_secs_f64();
     acceptor.abort();
     assert_eq!(failed, 0, "handshakes failed in the storm");
-    (median(done) / duration, duration)
+    done.sort_by(f64::total_cmp);
+    let at = |f: f64| done[((n as f64 * f).ceil() as usize).clamp(1, n) - 1];
+    Storm {
+        share: median(done.clone()) / duration,
+        duration,
+        connected,
+        quarters: [at(0.25), at(0.5), at(0.75)],
+    }
 }
 
 async fn handshake_storm() {
@@ -225,15 +268,22 @@ async fn handshake_storm() {
         };
         println!(
             "  round {round}: bounded to {bounded}: p50 at {:.2} of {:.2} s; unbounded: p50 at {:.2} of {:.2} s",
-            on.0, on.1, off.0, off.1
+            on.share, on.duration, off.share, off.duration
         );
+        for (name, s) in [("bounded", &on), ("unbounded", &off)] {
+            println!(
+                "    {name}: TCP connects done by {:.2} s; each quarter of the handshakes took {} s",
+                s.connected,
+                s.quarter_spans()
+            );
+        }
         rows.push((on, off));
     }
-    let on = median(rows.iter().map(|r| r.0 .0).collect());
-    let off = median(rows.iter().map(|r| r.1 .0).collect());
+    let on = median(rows.iter().map(|r| r.0.share).collect());
+    let off = median(rows.iter().map(|r| r.1.share).collect());
     let (don, doff) = (
-        median(rows.iter().map(|r| r.0 .1).collect()),
-        median(rows.iter().map(|r| r.1 .1).collect()),
+        median(rows.iter().map(|r| r.0.duration).collect()),
+        median(rows.iter().map(|r| r.1.duration).collect()),
     );
     println!(
         "  medians: p50 / duration = {on:.2} bounded ({don:.2} s), {off:.2} unbounded ({doff:.2} s)"
