@@ -38,13 +38,17 @@ fn config_errors_name_the_file_and_field() {
     let _ = std::fs::remove_file(f);
 }
 
-fn admin_get(path: &str) -> String {
+fn http_get(addr: &str, path: &str) -> String {
     use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect("127.0.21.1:15000") else { return String::new() };
+    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return String::new() };
     let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     let mut out = String::new();
     let _ = s.read_to_string(&mut out);
     out
+}
+
+fn admin_get(path: &str) -> String {
+    http_get("127.0.21.1:15000", path)
 }
 
 #[test]
@@ -92,15 +96,6 @@ fn sigterm_drains_and_exits_zero() {
     assert!(log.contains("log level changed"), "{log}");
     assert!(log.lines().any(|l| l.starts_with('{')), "json log format: {log}");
     let _ = std::fs::remove_dir_all(dir);
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let Ok(mut s) = std::net::TcpStream::connect(addr) else { return String::new() };
-    let _ = write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    out
 }
 
 /// Garbage on the HBONE port: every connection is refused and counted, but the log speaks for
@@ -155,17 +150,29 @@ fn peer_caused_refusals_are_counted_each_and_logged_once_a_second() {
         let mut sink = Vec::new();
         let _ = s.read_to_end(&mut sink);
     }
+    // The client sees the close before the proxy has counted the refusal: wait for the count.
+    let refused_now = || {
+        let metrics = http_get("127.0.22.2:15020", "/metrics");
+        let n: u64 = metrics
+            .lines()
+            .filter(|l| l.starts_with("mbtunnel_connections_refused_total{reason=\"tls_"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .map(|v| v as u64)
+            .sum();
+        (n, metrics)
+    };
+    let (mut refused, mut metrics) = refused_now();
+    for _ in 0..100 {
+        if refused >= N as u64 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        (refused, metrics) = refused_now();
+    }
     let elapsed = start.elapsed();
-    let metrics = http_get("127.0.22.2:15020", "/metrics");
     Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
     assert!(child.wait().unwrap().success());
     let log = reader.join().unwrap();
-    let refused: u64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("mbtunnel_connections_refused_total{reason=\"tls_"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .map(|v| v as u64)
-        .sum();
     assert_eq!(refused, N as u64, "every refusal counted:\n{metrics}");
     let lines: Vec<_> =
         log.iter().filter(|l| l.contains("refused: TLS handshake with peer failed")).collect();

@@ -430,7 +430,7 @@ pub fn doctor() -> String {
     s.push_str(&format!("  why: {}\n", c.reason));
     let env = std::env::var(mb::BACKEND_ENV).unwrap_or_else(|_| "(unset)".into());
     s.push_str(&format!("  {}={env}\n", mb::BACKEND_ENV));
-    s.push_str(&routes(c.backend));
+    s.push_str(routes(c.backend));
     s.push_str(
         "RSA fault-check failures of a running proxy: mbtunnel_signer_fault_check_failures_total \
          on its :15020/metrics\n",
@@ -439,19 +439,21 @@ pub fn doctor() -> String {
 }
 
 /// How the signer signs each kind of key on `backend` (what `doctor` prints).
-fn routes(backend: mb::Backend) -> String {
+fn routes(backend: mb::Backend) -> &'static str {
     match backend {
-        mb::Backend::Ifma => "keys:\n  \
+        mb::Backend::Ifma => {
+            "keys:\n  \
              RSA 2048/3072/4096-bit, e = 65537: IFMA batches of up to 8, each signature checked \
              against the public key before it is released (fault check)\n  \
              ECDSA P-256: IFMA batches of up to 8\n  \
              (a batch of at most the crossover, or signer_scalar_below, and a cheap request on \
              an idle signer sign with BoringSSL instead: README, \"The signer\")\n  \
              other keys: BoringSSL, one signature at a time\n"
-            .into(),
-        mb::Backend::Scalar => "keys:\n  \
+        }
+        mb::Backend::Scalar => {
+            "keys:\n  \
              every key: BoringSSL, one signature at a time (the scalar backend makes no batches)\n"
-            .into(),
+        }
     }
 }
 
