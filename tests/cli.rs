@@ -47,16 +47,22 @@ fn http_get(addr: &str, path: &str) -> String {
     out
 }
 
+/// An empty directory of this test process's own, and the path of a config file in it.
+fn fresh_dir(tag: &str) -> (std::path::PathBuf, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("mbt-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("n.yaml");
+    (dir, cfg)
+}
+
 fn admin_get(path: &str) -> String {
     http_get("127.0.21.1:15000", path)
 }
 
 #[test]
 fn sigterm_drains_and_exits_zero() {
-    let dir = std::env::temp_dir().join(format!("mbt-cli-run-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("n.yaml");
+    let (dir, cfg) = fresh_dir("run");
     std::fs::write(
         &cfg,
         format!(
@@ -103,10 +109,7 @@ fn sigterm_drains_and_exits_zero() {
 #[test]
 fn peer_caused_refusals_are_counted_each_and_logged_once_a_second() {
     use std::io::{BufRead, Read, Write};
-    let dir = std::env::temp_dir().join(format!("mbt-cli-flood-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("n.yaml");
+    let (dir, cfg) = fresh_dir("flood");
     // The inbound listener is on the workload's own address: a direct connection reaches it.
     std::fs::write(
         &cfg,
