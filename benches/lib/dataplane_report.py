@@ -117,6 +117,7 @@ def parse_run(d):
             v["wrk_rps"] = r["rps"]
             v["wrk_cpu_per_k"] = pcpu("wrk") / (r["requests"] / 1000)
             v["wrk_cpu_cores"] = pcpu("wrk") / ms["wrk"]["wall"]
+            v["wrk_busy_cpus"] = ms["wrk"]["busy"] / ms["wrk"]["wall"]
         else:
             problems.append("wrk: unreadable output")
         if r["socket_errors"] or r["non2xx"]:
@@ -154,6 +155,10 @@ def parse_run(d):
             v["hs_rate"] = total / ms["hs"]["wall"]
             v["hs_cpu_ms"] = ms["hs"]["cpu_server"] / total * 1000
             v["hs_total"] = total
+            # Where the machine's CPU went per handshake: the s_time clients, and everything busy.
+            v["hs_loadgen_ms"] = ms["hs"]["cpu_loadgen"] / total * 1000
+            v["hs_busy_ms"] = ms["hs"]["busy"] / total * 1000
+            v["hs_busy_cpus"] = ms["hs"]["busy"] / ms["hs"]["wall"]
             rej = meta.get("hs_server_rejections", 0)
             if rej > 0.01 * total:
                 problems.append("hs: the server refused %d handshakes (not resets) of %d" % (rej, total))
@@ -304,11 +309,15 @@ def table(argv):
         ("iperf3 one stream: proxy CPUs busy (both)", "iperf1_cpu_cores", "2"),
         ("iperf3 four streams: proxy CPU-seconds per GB", "iperf4_cpu_per_gb", "2"),
         ("wrk: proxy CPUs busy (both)", "wrk_cpu_cores", "2"),
+        ("wrk: CPUs busy machine-wide", "wrk_busy_cpus", "2"),
         ("fixed rate: achieved req/s (hey)", "fixed_achieved", "int"),
         ("fixed rate: RSS client-side proxy", "fixed_rss_client_mib", "mib"),
         ("fixed rate: RSS server-side proxy", "fixed_rss_server_mib", "mib"),
         ("RSS per proxy after all workloads (mean of the two)", "rss_end_mib", "mib"),
         ("connection per request: proxy CPU-seconds per 1000 connections", "cpr_cpu_per_k", "4"),
+        ("handshakes: CPUs busy machine-wide during the s_time run", "hs_busy_cpus", "2"),
+        ("handshakes: CPU per handshake of the s_time clients (load generator), ms", "hs_loadgen_ms", "4"),
+        ("handshakes: machine CPU per handshake (everything busy), ms", "hs_busy_ms", "4"),
         ("handshakes: share the server saw reset by s_time's close", "hs_reset_share", "2"),
         ("handshakes: TLS 1.3 session tickets the server sends (one s_client)", "hs_tickets", "int"),
         ("`s_time -reuse`: share of the timed handshakes that resumed", "hsr_resumed_share", "2"),
@@ -322,6 +331,20 @@ def table(argv):
             cells.append(summary([r[2].get(key) for r in data[p].values()], style, False)[1] if p in data else "–")
         lines.append("| %s | %s | %s |" % (label, cells[0], cells[1]))
     lines.append("")
+    # The handshake rate row measures the clients too: they share the CPUs with the server.
+    def med(p, key):
+        vals = [r[2].get(key) for r in data.get(p, {}).values() if r[2].get(key) is not None]
+        return statistics.median(vals) if vals else None
+    zt_busy, mb_busy, mb_srv = med("ztunnel", "hs_busy_ms"), med("mbtunnel", "hs_busy_ms"), med("mbtunnel", "hs_cpu_ms")
+    if zt_busy and mb_busy and mb_srv and mb_busy > mb_srv:
+        lines.append("The handshake rate row shares the CPUs with its load generator: the machine spent "
+                     "%.3f ms per handshake with ztunnel and %.3f ms with mbtunnel, of which mbtunnel's "
+                     "server %.3f ms. Were mbtunnel's server free, the same machine would reach at most about "
+                     "%.3f / %.3f = **%.2f×** ztunnel's rate while the machine is saturated (the CPUs-busy "
+                     "row above), so the rate ratio says more about the clients than about the server; the "
+                     "server CPU per handshake row is the server's own figure."
+                     % (zt_busy, mb_busy, mb_srv, zt_busy, mb_busy - mb_srv, zt_busy / (mb_busy - mb_srv)))
+        lines.append("")
     # Quiet-machine check and problems, per round.
     notes = []
     for p in prods:
