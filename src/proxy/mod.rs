@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 
 use crate::hbone::Pool;
-use crate::metrics::{ConnLabels, Metrics};
+use crate::metrics::{ConnKey, ConnLabels, Metrics};
 use crate::net::Workers;
 use crate::ratelog::RateLog;
 use crate::state::State;
@@ -214,9 +214,9 @@ impl Drain {
 /// costs the log filter two lock reads, and a relay is polled for every chunk it moves.
 pub struct ConnRecord {
     metrics: Arc<Metrics>,
-    /// Boxed (512 bytes inline): a record moves with its connection, from set-up to relay and
-    /// between workers, and each move of a future that holds it copies it.
-    labels: Box<ConnLabels>,
+    /// Boxed (over 500 bytes inline): a record moves with its connection, from set-up to relay
+    /// and between workers, and each move of a future that holds it copies it.
+    key: Box<ConnKey>,
     src: SocketAddr,
     dst: SocketAddr,
     start: Instant,
@@ -226,11 +226,12 @@ pub struct ConnRecord {
 
 impl ConnRecord {
     pub fn open(ctx: &Ctx, src: SocketAddr, dst: SocketAddr, labels: ConnLabels) -> ConnRecord {
-        ctx.metrics.opened.get_or_create(&labels).inc();
+        let key = Box::new(ConnKey::new(labels));
+        ctx.metrics.opened.get_or_create(&key).inc();
         ctx.metrics.active_connections.inc();
         ConnRecord {
             metrics: ctx.metrics.clone(),
-            labels: Box::new(labels),
+            key,
             src,
             dst,
             start: Instant::now(),
@@ -249,8 +250,10 @@ impl ConnRecord {
         reason: &str,
     ) {
         labels.response_flags = "DENY".into();
-        ctx.metrics.opened.get_or_create(&labels).inc();
-        ctx.metrics.closed.get_or_create(&labels).inc();
+        let key = ConnKey::new(labels);
+        ctx.metrics.opened.get_or_create(&key).inc();
+        ctx.metrics.closed.get_or_create(&key).inc();
+        let labels = key.labels();
         ctx.metrics.refuse("authorization_denied");
         tracing::warn!(target: "access", src = %src, dst = %dst,
             src_identity = %labels.source_principal, dst_identity = %labels.destination_principal,
@@ -267,13 +270,14 @@ impl ConnRecord {
     /// bytes back to the client (Istio's meaning of the TCP byte counters).
     pub fn close(mut self, received: u64, sent: u64, result: Result<(), String>) {
         if result.is_err() {
-            self.labels.response_flags = "UF".into();
+            *self.key = self.key.with_flags("UF");
         }
-        self.metrics.received.get_or_create(&self.labels).inc_by(received);
-        self.metrics.sent.get_or_create(&self.labels).inc_by(sent);
-        self.metrics.closed.get_or_create(&self.labels).inc();
+        let key = &*self.key;
+        self.metrics.received.get_or_create(key).inc_by(received);
+        self.metrics.sent.get_or_create(key).inc_by(sent);
+        self.metrics.closed.get_or_create(key).inc();
         self.metrics.active_connections.dec();
-        let l = &self.labels;
+        let l = key.labels();
         let duration_ms = self.start.elapsed().as_millis() as u64;
         let _in = self.span.enter();
         match result {
