@@ -11,6 +11,11 @@
 //! Memory: a buffer is allocated when first needed and freed whenever it is empty and the
 //! socket has nothing more to give (a read that would block) or has taken everything (a flush),
 //! so an idle pooled connection or a handshake waiting on its peer holds neither buffer.
+//!
+//! A socket write that fails (reset, broken pipe) ends the writing side: what was waiting is
+//! dropped and every later write, flush or shutdown fails with the same kind of error at once.
+//! Without that, a peer that resets after its handshake cost two more failing `sendto`s per
+//! connection: h2's SETTINGS again, then the TLS `close_notify` behind it.
 #![forbid(unsafe_code)]
 
 use std::io;
@@ -32,11 +37,13 @@ pub struct Buffered<S> {
     wbuf: Vec<u8>,
     /// Bytes of `wbuf` already written.
     wpos: usize,
+    /// The kind of error a socket write returned: writing is over.
+    wfailed: Option<io::ErrorKind>,
 }
 
 impl<S> Buffered<S> {
     pub fn new(inner: S) -> Buffered<S> {
-        Buffered { inner, rbuf: BytesMut::new(), wbuf: Vec::new(), wpos: 0 }
+        Buffered { inner, rbuf: BytesMut::new(), wbuf: Vec::new(), wpos: 0, wfailed: None }
     }
 
     pub fn get_ref(&self) -> &S {
@@ -72,16 +79,36 @@ impl<S: std::fmt::Debug> std::fmt::Debug for Buffered<S> {
 impl<S: AsyncWrite + Unpin> Buffered<S> {
     /// Writes out what the write buffer holds; frees it once empty.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.check_writable()?;
         while self.wpos < self.wbuf.len() {
-            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.wbuf[self.wpos..]))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            let r = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.wbuf[self.wpos..]));
+            match r {
+                Ok(0) => {
+                    return Poll::Ready(Err(self.write_failed(io::ErrorKind::WriteZero.into())))
+                }
+                Ok(n) => self.wpos += n,
+                Err(e) => return Poll::Ready(Err(self.write_failed(e))),
             }
-            self.wpos += n;
         }
         self.wbuf = Vec::new();
         self.wpos = 0;
         Poll::Ready(Ok(()))
+    }
+
+    /// The error of the write that failed before, if one did.
+    fn check_writable(&self) -> io::Result<()> {
+        match self.wfailed {
+            Some(kind) => Err(io::Error::new(kind, "an earlier write on this connection failed")),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends the writing side after `e`: drops what waits and remembers the kind of error.
+    fn write_failed(&mut self, e: io::Error) -> io::Error {
+        self.wfailed = Some(e.kind());
+        self.wbuf = Vec::new();
+        self.wpos = 0;
+        e
     }
 }
 
@@ -134,9 +161,13 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Buffered<S> {
         if me.wbuf.len() + data.len() > BUF {
             ready!(me.poll_drain(cx))?;
         }
+        me.check_writable()?;
         if data.len() >= BUF {
             // Nothing waits in front of it: no need to copy.
-            return Pin::new(&mut me.inner).poll_write(cx, data);
+            return match ready!(Pin::new(&mut me.inner).poll_write(cx, data)) {
+                Err(e) => Poll::Ready(Err(me.write_failed(e))),
+                ok => Poll::Ready(ok),
+            };
         }
         if me.wbuf.capacity() == 0 {
             me.wbuf = Vec::with_capacity(BUF);
@@ -226,6 +257,57 @@ mod tests {
         assert_eq!(got.len(), data.len());
         assert!(got == data, "bytes differ");
         assert!(!b.holds_memory(), "a reader at EOF holds no buffer");
+    }
+
+    /// Counts the writes that reach it; fails every one after the first `ok`.
+    struct Breaks {
+        ok: usize,
+        calls: usize,
+    }
+
+    impl AsyncWrite for Breaks {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            data: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.calls += 1;
+            if self.calls > self.ok {
+                return Poll::Ready(Err(io::ErrorKind::ConnectionReset.into()));
+            }
+            Poll::Ready(Ok(data.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_write_ends_writing_without_more_system_calls() {
+        let mut a = Buffered::new(Breaks { ok: 1, calls: 0 });
+        a.write_all(b"flight").await.unwrap();
+        a.flush().await.unwrap();
+        a.write_all(b"settings").await.unwrap();
+        let e = a.flush().await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+        assert_eq!(a.get_ref().calls, 2);
+        assert!(!a.holds_memory(), "what waited is dropped");
+        // The close_notify and anything after it: the same error, and no write reaches the socket.
+        let e = a.write_all(b"alert").await.unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::ConnectionReset);
+        assert_eq!(a.flush().await.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
+        assert_eq!(a.shutdown().await.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
+        assert_eq!(a.write(&[0u8; BUF]).await.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
+        assert_eq!(a.get_ref().calls, 2, "no write after the failed one");
+
+        // A large write straight to the socket ends writing the same way.
+        let mut b = Buffered::new(Breaks { ok: 0, calls: 0 });
+        assert!(b.write(&[0u8; BUF]).await.is_err());
+        assert!(b.write_all(b"x").await.is_err());
+        assert_eq!(b.get_ref().calls, 1);
     }
 
     #[tokio::test]
