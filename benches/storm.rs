@@ -242,7 +242,7 @@ async fn one_storm(n: usize, max_concurrent: usize, dir: &std::path::Path) -> St
     done.sort_by(f64::total_cmp);
     let at = |f: f64| done[((n as f64 * f).ceil() as usize).clamp(1, n) - 1];
     Storm {
-        share: median(done.clone()) / duration,
+        share: done[n / 2] / duration,
         duration,
         connected,
         quarters: [at(0.25), at(0.5), at(0.75)],
