@@ -213,7 +213,8 @@ impl ConnKey {
         &self.labels
     }
 
-    /// The same labels with `response_flags` set (`UF`, `DENY`).
+    /// The same labels with `response_flags` set: `UF` for a connection that failed (a denied
+    /// one gets `DENY` on its labels before its key is made, see `ConnRecord::denied`).
     pub fn with_flags(&self, flags: &'static str) -> ConnKey {
         let mut labels = self.labels.clone();
         labels.response_flags = Cow::Borrowed(flags);
@@ -303,7 +304,8 @@ pub struct Metrics {
 
 /// The label of an HTTP/2 error: the name of its RFC 9113 code, `unknown` for any other code (a
 /// peer chooses the code: naming each one it sends would let it grow the label set without
-/// bound), `io`, or `other`.
+/// bound), `io`, or `other`. An h2 error inside an `io::Error` counts as itself: `io::Error`'s
+/// `source()` skips the error it wraps, so the chain is also entered through `get_ref`.
 pub fn h2_error_kind(e: &(dyn std::error::Error + 'static)) -> &'static str {
     const NAMES: [&str; 14] = [
         "NO_ERROR",
@@ -330,7 +332,10 @@ pub fn h2_error_kind(e: &(dyn std::error::Error + 'static)) -> &'static str {
                 None => "other",
             };
         }
-        src = x.source();
+        src = match x.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()) {
+            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
+            None => x.source(),
+        };
     }
     "other"
 }
@@ -486,5 +491,11 @@ mod tests {
             assert_eq!(h2_error_kind(&h2::Error::from(h2::Reason::from(code))), "unknown");
         }
         assert_eq!(h2_error_kind(&std::io::Error::other("x")), "other");
+        // Wrapped in an io::Error (as a byte stream over h2 reports it), still named by its code.
+        let wrapped = std::io::Error::other(h2::Error::from(h2::Reason::ENHANCE_YOUR_CALM));
+        assert_eq!(h2_error_kind(&wrapped), "ENHANCE_YOUR_CALM");
+        let twice =
+            std::io::Error::other(std::io::Error::other(h2::Error::from(h2::Reason::from(0xdead))));
+        assert_eq!(h2_error_kind(&twice), "unknown");
     }
 }
