@@ -114,7 +114,7 @@ pub struct Config {
     /// This node's name; the proxy serves the workloads whose `node` equals it.
     pub node_name: String,
     pub trust_domain: String,
-    /// Directory of the development CA (root.pem, root.key); created on first use.
+    /// Directory of the development CA (ca-cert.pem, ca-key.pem); created on first use.
     pub ca_dir: PathBuf,
     pub key_algorithm: KeyAlgorithm,
     pub cert_lifetime_secs: u64,
@@ -179,8 +179,9 @@ pub struct Config {
     /// Unset: the measured per-class defaults (2 for RSA, 1 for ECDSA P-256).
     pub signer_scalar_below: Option<usize>,
     /// Adaptive fill bound in microseconds: under load, how long a forming batch of two or more
-    /// may be held open for more lanes while requests keep arriving. Unset: per-class defaults
-    /// (about three batch times for RSA, off for ECDSA P-256); 0 = off.
+    /// may be held open for more lanes while requests keep arriving. Unset: six 8-lane passes of
+    /// the class as measured at start-up for RSA (8/25/60 ms until measured), off for ECDSA
+    /// P-256; 0 = off.
     pub signer_fill_wait_us: Option<u64>,
     /// In-pod mode: take pods from istio-cni over ZDS and open their listeners inside each pod's
     /// network namespace. The served workloads are then the enrolled pods (by uid), not those

@@ -88,7 +88,7 @@ enum Cmd {
         #[arg(long, default_value = "127.0.0.1:15000")]
         admin: std::net::SocketAddr,
     },
-    /// Test helpers used by the demo: an echo server and a client.
+    /// Test helpers used by the demo and tests: an echo server, a client, and a stand-in CNI (cni).
     #[command(hide = true, subcommand)]
     Tool(Tool),
 }
@@ -124,6 +124,10 @@ struct RunArgs {
     /// threads, at least one. The DaemonSet passes `limits.cpu`. [env: MBTUNNEL_CPU_LIMIT]
     #[arg(long)]
     cpu_limit: Option<usize>,
+    /// Threads running connections (0 = one per CPU of the CPU limit); each connection and the
+    /// tasks it spawns stay on one of them. [env: MBTUNNEL_WORKER_THREADS]
+    #[arg(long)]
+    worker_threads: Option<usize>,
     /// Log format: text or json. [env: MBTUNNEL_LOG_FORMAT]
     #[arg(long)]
     log_format: Option<String>,
@@ -148,6 +152,10 @@ struct RunArgs {
     /// pod's network namespace. [env: INPOD_ENABLED]
     #[arg(long)]
     inpod: bool,
+    /// In-pod mode: the ZDS socket istio-cni serves (default /var/run/ztunnel/ztunnel.sock).
+    /// [env: INPOD_UDS]
+    #[arg(long)]
+    inpod_socket: Option<std::path::PathBuf>,
     /// istiod's xDS endpoint, e.g. https://istiod.istio-system.svc:15012. Set: workloads,
     /// services and authorization policies come over delta xDS (the file must list none).
     /// Extra gRPC metadata: XDS_HEADER_<name>=<value>. [env: XDS_ADDRESS]
@@ -477,6 +485,9 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     if a.inpod {
         cfg.inpod_enabled = true;
     }
+    if let Some(v) = &a.inpod_socket {
+        cfg.inpod_socket = v.clone();
+    }
     if let Some(v) = &a.xds_root_ca {
         cfg.xds_root_ca = v.clone();
     }
@@ -523,6 +534,9 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     }
     if let Some(v) = a.cpu_limit {
         cfg.cpu_limit = v;
+    }
+    if let Some(v) = a.worker_threads {
+        cfg.worker_threads = v;
     }
     if let Some(v) = &a.log_format {
         cfg.log_format = v.parse().map_err(|e| anyhow::anyhow!("--log-format: {e}"))?;

@@ -365,10 +365,14 @@ impl Metrics {
         let istio = registry.sub_registry_with_prefix("istio");
         istio.register("tcp_connections_opened", "Connections opened", m.opened.clone());
         istio.register("tcp_connections_closed", "Connections closed", m.closed.clone());
-        istio.register("tcp_sent_bytes", "Bytes sent toward the destination", m.sent.clone());
+        istio.register(
+            "tcp_sent_bytes",
+            "Bytes sent toward the client (destination to client)",
+            m.sent.clone(),
+        );
         istio.register(
             "tcp_received_bytes",
-            "Bytes received from the destination",
+            "Bytes received from the client (client to destination)",
             m.received.clone(),
         );
         let mbt = registry.sub_registry_with_prefix("mbtunnel");

@@ -24,6 +24,35 @@ fn version_and_help() {
     }
 }
 
+/// The README's list of environment variables and `run --help` name the same ones, both ways.
+#[test]
+fn run_help_names_every_environment_variable_the_readme_lists() {
+    let help = String::from_utf8(bin().args(["run", "--help"]).output().unwrap().stdout).unwrap();
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let list = readme
+        .split_once("which override the file. Environment:")
+        .and_then(|(_, rest)| rest.split_once("\n\n"))
+        .map(|(list, _)| list)
+        .expect("README's environment paragraph");
+    // `XDS_HEADER_<k>` in the README, `XDS_HEADER_<name>` in the help: compare up to the `<`.
+    let listed: Vec<&str> = list
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .filter(|n| n.chars().next().is_some_and(|c| c.is_ascii_uppercase()))
+        .map(|n| n.split('<').next().unwrap())
+        .collect();
+    assert!(listed.len() > 20, "{listed:?}");
+    for name in &listed {
+        assert!(help.contains(name), "run --help does not name {name}:\n{help}");
+    }
+    for tag in help.split("[env: ").skip(1) {
+        let name = tag.split([']', '=']).next().unwrap();
+        assert!(listed.contains(&name), "README's environment list lacks {name}");
+    }
+}
+
 #[test]
 fn config_errors_name_the_file_and_field() {
     let out = bin().args(["run", "--config", "/nonexistent/x.yaml"]).output().unwrap();

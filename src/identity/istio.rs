@@ -89,7 +89,7 @@ impl IstioCa {
                 if s.code() == tonic::Code::Unauthenticated {
                     err(format!("the CA refused our token (Unauthenticated): {}", s.message()))
                 } else {
-                    err(format!("{}: {}", s.code(), s.message()))
+                    err(format!("{:?}: {}", s.code(), s.message()))
                 }
             })?;
         let chain = resp.into_inner().cert_chain;

@@ -402,6 +402,6 @@ fn status_text(s: &tonic::Status) -> String {
             "the control plane refused our token (Unauthenticated): {}; check the token file and its audience",
             s.message()
         ),
-        c => format!("{c}: {}", s.message()),
+        c => format!("{c:?}: {}", s.message()),
     }
 }
