@@ -10,7 +10,7 @@
                         iperf3 server: the given PIDs and their children)
         cpu_loadgen     CPU seconds of CMD and its descendants (getrusage RUSAGE_CHILDREN)
         cpu_ksoftirqd   ksoftirqd threads (network receive work deferred out of our processes)
-        busy            machine-wide user+nice+system seconds (/proc/stat), all CPUs
+        busy            machine-wide user+nice+system+irq+softirq seconds (/proc/stat), all CPUs
         foreign         (busy - all of the above) / wall: CPUs' worth of work done by processes
                         that are not part of the bench while it ran (other users' load)
         steal           steal seconds / wall (the hypervisor gave the CPU to someone else)
@@ -18,11 +18,14 @@
         rss_server_kib  the run (default: at the end, before CMD's exit is noticed)
         rc              CMD's exit status
   measure.py idle --secs S
-      Prints {"foreign": CPUs busy (user+nice+system, all processes) / S, "steal": ...}.
+      Prints {"foreign": CPUs busy (user+nice+system+irq+softirq, all processes) / S, "steal": ...}.
 
 Kernel note: without CONFIG_IRQ_TIME_ACCOUNTING, softirq work (the veth receive path) is charged
 to the process that was running, usually the proxies or the apps, so it is part of their CPU, the
-same way for both products.
+same way for both products. /proc/stat files those ticks under irq and softirq, not system, so
+`busy` counts them too: without them, `busy - ours` would subtract from the machine's figure
+work it never counted (hiding as much foreign load), and the machine would look idler than it
+was (a wrk run at ~1.9 of 2 CPUs read as ~1.4).
 """
 import json
 import os
@@ -84,7 +87,9 @@ def ksoftirqd_pids():
 def stat_cpu():
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
-    busy = v[0] + v[1] + v[2]  # user (guest included) + nice + system
+    # user (guest included) + nice + system + irq + softirq: the per-process times this is
+    # compared with include the interrupt work done while those processes ran.
+    busy = v[0] + v[1] + v[2] + v[5] + v[6]
     steal = v[7] if len(v) > 7 else 0
     return busy / TCK, steal / TCK
 
