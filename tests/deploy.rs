@@ -7,6 +7,8 @@
 //!   the termination grace period, the control-plane env and mounts (istiod's root, the
 //!   istio-ca token) and the signer thread env follow the config; the ConfigMap plus the
 //!   DaemonSet's env run against a control plane of our own and become ready.
+//! - `Cargo.toml`: a plain build resolves the crates it shares with the dev-dependencies with the
+//!   same features as the tests, so `make test` and `make demo` compile them once.
 //!
 //! Kubernetes schema validation and the env-name check against `mbtunnel run --help` are in
 //! `scripts/validate-deploy.sh` (`make validate-deploy`); here env names are checked against
@@ -191,6 +193,40 @@ fn the_cxx_runtime_is_not_a_shared_library() {
     let shared: Vec<&str> = maps.lines().filter(|l| l.contains("libstdc++")).collect();
     assert!(shared.is_empty(), "libstdc++ is mapped as a shared library: {shared:?}");
     drop(ctx);
+}
+
+/// Each crate of the product's dependency graph with its features, as `cargo tree` resolves it
+/// with `edges` (one line per crate and feature set: `name vX.Y.Z [f1,f2]`).
+fn resolved(edges: &str) -> BTreeSet<String> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let out = Command::new(cargo)
+        .args(["tree", "--locked", "--prefix", "none", "-f", "{p} [{f}]", "-e", edges])
+        .current_dir(root())
+        .output()
+        .expect("cargo tree runs");
+    assert!(out.status.success(), "cargo tree: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.trim_end_matches(" (*)").to_string())
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+/// `make test` builds the tests, then the binary the demo runs; `make demo` after it builds the
+/// binary again. Both reuse the tests' build only if the dev-dependencies turn on no feature of
+/// a crate the product shares with them (Cargo.toml names those features for the product).
+#[test]
+fn a_plain_build_resolves_shared_crates_as_the_tests_do() {
+    let plain = resolved("no-dev");
+    let tests = resolved("all");
+    assert!(plain.iter().any(|l| l.starts_with("tokio v")), "no tokio in {plain:?}");
+    let differ: Vec<&String> = plain.difference(&tests).collect();
+    assert!(
+        differ.is_empty(),
+        "crates a plain build resolves with other features than the test build (add the test \
+         build's features to [dependencies]): {differ:?}"
+    );
 }
 
 #[test]
