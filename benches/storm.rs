@@ -373,10 +373,9 @@ services:
     let text = b.metrics_text();
     let evicted = text
         .lines()
-        .find(|l| l.contains("reason=\"tls_pending_evicted\""))
-        .and_then(|l| l.rsplit(' ').next())
-        .unwrap_or("0")
-        .to_string();
+        .filter(|l| l.contains("reason=\"tls_pending_"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>();
     println!(
         "silent flood: {flood} silent connections to 15008, proxies limited to 4096 fds ({}):",
         cpu_model()

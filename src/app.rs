@@ -236,7 +236,11 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         transparent,
         own_addrs: vec![bound.outbound, bound.inbound, bound.inbound_plaintext],
         conns: Arc::default(),
-        pending: proxy::PendingHandshakes::new(limits.max_pending_handshakes, metrics.clone()),
+        pending: proxy::PendingHandshakes::new(
+            limits.max_pending_handshakes,
+            limits.max_pending_handshakes_per_source,
+            metrics.clone(),
+        ),
         metrics,
         limits,
         workers,

@@ -135,8 +135,11 @@ pub struct Config {
     pub connect_timeout_ms: u64,
     /// TLS handshake timeout (either side), milliseconds.
     pub handshake_timeout_ms: u64,
-    /// Per listener: connections still in their TLS handshake; at the cap the oldest is dropped.
+    /// Inbound HBONE connections still in their TLS handshake, all listeners together; over
+    /// it, the oldest one waiting on its peer from the heaviest source is dropped.
     pub max_pending_handshakes: usize,
+    /// The same, from one source address; over it, that source's oldest waiting one is dropped.
+    pub max_pending_handshakes_per_source: usize,
     /// TLS handshakes computing at once, per side; 0 = 32 per CPU of `cpu_limit`.
     pub max_concurrent_handshakes: usize,
     /// A pooled HBONE connection with no stream for this long is closed, seconds.
@@ -261,7 +264,8 @@ impl Default for Config {
             drain_timeout_secs: 5,
             connect_timeout_ms: 10_000,
             handshake_timeout_ms: 10_000,
-            max_pending_handshakes: 1024,
+            max_pending_handshakes: 4096,
+            max_pending_handshakes_per_source: 512,
             max_concurrent_handshakes: 0,
             pool_idle_timeout_secs: 300,
             pool_max_streams: 100,
@@ -479,6 +483,7 @@ impl Config {
             dial_timeout: Duration::from_millis(self.connect_timeout_ms),
             handshake_timeout: Duration::from_millis(self.handshake_timeout_ms),
             max_pending_handshakes: self.max_pending_handshakes,
+            max_pending_handshakes_per_source: self.max_pending_handshakes_per_source,
             max_concurrent_handshakes: match self.max_concurrent_handshakes {
                 0 => 32 * cpus.max(1),
                 n => n,
@@ -522,6 +527,7 @@ impl Config {
             ("handshake_timeout_ms", self.handshake_timeout_ms),
             ("pool_idle_timeout_secs", self.pool_idle_timeout_secs),
             ("max_pending_handshakes", self.max_pending_handshakes as u64),
+            ("max_pending_handshakes_per_source", self.max_pending_handshakes_per_source as u64),
         ] {
             if v == 0 {
                 return bad(format!("{name} must be at least 1"));

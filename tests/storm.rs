@@ -5,7 +5,8 @@
 //! ztunnel sends; bytes are counted when a connection fails, and a cut connection is reset, on
 //! either side of an HBONE tunnel.
 //!
-//! Loopback blocks used here: 127.0.71.x – 127.0.79.x (79 inside a namespace of its own), 127.0.81.x.
+//! Loopback blocks used here: 127.0.71.x – 127.0.79.x (79 inside a namespace of its own),
+//! 127.0.81.x – 127.0.83.x.
 
 mod common;
 
@@ -16,6 +17,7 @@ use std::time::Duration;
 use common::{ip, metric, round_trip, start_echo, temp_dir, Mesh};
 use mbtunnel::config::Config;
 use mbtunnel::identity::Identity;
+use mbtunnel::proxy::admission::{EVICTED_PER_SOURCE, EVICTED_TOTAL};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -134,7 +136,8 @@ async fn silent_connections_are_evicted_and_clients_still_get_through() {
     for _ in 0..500 {
         silent.push(TcpStream::connect(hbone).await.unwrap());
     }
-    wait_until("evictions", || refused(&m.b.metrics_text(), "tls_pending_evicted") >= 400.0).await;
+    // All from one address, under its own budget (512) but over the total (64).
+    wait_until("evictions", || refused(&m.b.metrics_text(), EVICTED_TOTAL) >= 400.0).await;
     assert!(m.b.ctx.pending.len() <= 64);
     // The first silent connection was evicted: closed by the proxy.
     let mut buf = [0u8; 1];
@@ -146,6 +149,82 @@ async fn silent_connections_are_evicted_and_clients_still_get_through() {
     for i in 0..20u8 {
         assert_eq!(round_trip(client(74).await, vec![i; 10]).await, vec![i; 10]);
     }
+}
+
+/// The first bytes of a ClientHello: a record header announcing 512 bytes and 66 of them. The
+/// server has to wait for the rest of the record.
+fn half_client_hello() -> Vec<u8> {
+    let mut b = vec![0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03];
+    b.resize(71, 0x5a);
+    b
+}
+
+/// Connections that send part of a ClientHello and stop hold no CPU turn while they wait: with
+/// four turns and fifty such connections, a client's handshake still runs at once (before, each
+/// held its turn until its deadline, and every new handshake on the node waited behind them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_sent_client_hellos_hold_no_handshake_turn() {
+    let m = mesh_with(82, "echo", |c| {
+        c.max_concurrent_handshakes = 4;
+        c.handshake_timeout_ms = 120_000;
+    })
+    .await;
+    start_echo(SocketAddr::new(ip(82, 3), 8080)).await;
+    let hbone = SocketAddr::new(ip(82, 3), 15008);
+    let mut stalled = Vec::new();
+    for _ in 0..50 {
+        let mut s = TcpStream::connect(hbone).await.unwrap();
+        s.write_all(&half_client_hello()).await.unwrap();
+        stalled.push(s);
+    }
+    wait_until("the stalled handshakes to be pending", || m.b.ctx.pending.len() >= 50).await;
+    let r = tokio::time::timeout(
+        Duration::from_secs(30),
+        round_trip(client(82).await, b"through".to_vec()),
+    )
+    .await
+    .expect("a handshake waited behind connections that wait on their peers");
+    assert_eq!(r, b"through");
+    // They are still pending: nothing evicted them, they just hold nothing.
+    assert!(m.b.ctx.pending.len() >= 50);
+}
+
+/// One source over its own budget loses its own oldest connections; another source's pending
+/// handshakes keep their places.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_source_over_its_budget_evicts_only_its_own_connections() {
+    let m = mesh_with(83, "echo", |c| {
+        c.max_pending_handshakes_per_source = 20;
+        c.handshake_timeout_ms = 120_000;
+    })
+    .await;
+    let hbone = SocketAddr::new(ip(83, 3), 15008);
+    let from = |host: u8| async move {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind(SocketAddr::new(ip(83, host), 0)).unwrap();
+        let mut c = s.connect(hbone).await.unwrap();
+        c.write_all(&half_client_hello()).await.unwrap();
+        c
+    };
+    let mut other = Vec::new();
+    for _ in 0..5 {
+        other.push(from(101).await);
+    }
+    let mut flood = Vec::new();
+    for _ in 0..200 {
+        flood.push(from(100).await);
+    }
+    wait_until("per-source evictions", || {
+        refused(&m.b.metrics_text(), EVICTED_PER_SOURCE) >= 180.0
+    })
+    .await;
+    assert_eq!(m.b.ctx.pending.from_source(ip(83, 100)), 20);
+    assert_eq!(m.b.ctx.pending.from_source(ip(83, 101)), 5, "another source keeps its places");
+    let mut buf = [0u8; 1];
+    let r = tokio::time::timeout(Duration::from_secs(10), flood[0].read(&mut buf))
+        .await
+        .expect("the flood's oldest connection is closed");
+    assert!(matches!(r, Ok(0) | Err(_)), "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

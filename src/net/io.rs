@@ -25,6 +25,8 @@ use std::task::{ready, Context, Poll};
 use bytes::{Buf, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use crate::net::gate::Gate;
+
 /// Size of each buffer: four full TLS records.
 pub const BUF: usize = 64 * 1024;
 
@@ -39,11 +41,35 @@ pub struct Buffered<S> {
     wpos: usize,
     /// The kind of error a socket write returned: writing is over.
     wfailed: Option<io::ErrorKind>,
+    /// During a TLS handshake: the turn at the CPU its reads take and its waits give back.
+    gate: Option<Box<Gate>>,
 }
 
 impl<S> Buffered<S> {
     pub fn new(inner: S) -> Buffered<S> {
-        Buffered { inner, rbuf: BytesMut::new(), wbuf: Vec::new(), wpos: 0, wfailed: None }
+        Buffered {
+            inner,
+            rbuf: BytesMut::new(),
+            wbuf: Vec::new(),
+            wpos: 0,
+            wfailed: None,
+            gate: None,
+        }
+    }
+
+    /// Reads hand bytes on only once `gate` grants a turn; a read or write that has to wait
+    /// on the peer gives the turn back (see [`crate::net::gate`]).
+    pub fn set_gate(&mut self, gate: Gate) {
+        self.gate = Some(Box::new(gate));
+    }
+
+    pub fn gate(&self) -> Option<&Gate> {
+        self.gate.as_deref()
+    }
+
+    /// The handshake is over: reads and writes no longer take turns.
+    pub fn end_gate(&mut self) {
+        self.gate = None;
     }
 
     pub fn get_ref(&self) -> &S {
@@ -81,7 +107,16 @@ impl<S: AsyncWrite + Unpin> Buffered<S> {
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         self.check_writable()?;
         while self.wpos < self.wbuf.len() {
-            let r = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.wbuf[self.wpos..]));
+            let r = match Pin::new(&mut self.inner).poll_write(cx, &self.wbuf[self.wpos..]) {
+                Poll::Ready(r) => r,
+                Poll::Pending => {
+                    // The peer is not taking what we sent: its turn, not ours.
+                    if let Some(g) = &mut self.gate {
+                        g.peer_waits();
+                    }
+                    return Poll::Pending;
+                }
+            };
             match r {
                 Ok(0) => {
                     return Poll::Ready(Err(self.write_failed(io::ErrorKind::WriteZero.into())))
@@ -120,8 +155,9 @@ impl<S: AsyncRead + Unpin> AsyncRead for Buffered<S> {
     ) -> Poll<io::Result<()>> {
         let me = self.get_mut();
         if me.rbuf.is_empty() {
-            // Empty. A read as large as the buffer gains nothing from it.
-            if out.remaining() >= BUF {
+            // Empty. A read as large as the buffer gains nothing from it (but a gated read
+            // needs the bytes in hand before it asks for a turn).
+            if out.remaining() >= BUF && me.gate.is_none() {
                 me.rbuf = BytesMut::new();
                 return Pin::new(&mut me.inner).poll_read(cx, out);
             }
@@ -138,11 +174,17 @@ impl<S: AsyncRead + Unpin> AsyncRead for Buffered<S> {
                     return Poll::Ready(Err(e));
                 }
                 Poll::Pending => {
-                    // Nothing to read: hold no memory while waiting.
+                    // Nothing to read: hold no memory, and no turn, while waiting.
                     me.rbuf = BytesMut::new();
+                    if let Some(g) = &mut me.gate {
+                        g.peer_waits();
+                    }
                     return Poll::Pending;
                 }
             }
+        }
+        if let Some(g) = &mut me.gate {
+            ready!(g.poll_turn(cx));
         }
         let n = out.remaining().min(me.rbuf.len());
         out.put_slice(&me.rbuf[..n]);

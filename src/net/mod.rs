@@ -3,6 +3,7 @@
 //! namespaces (a thread inside a pod's namespace that makes its sockets), and the worker threads
 //! connections run on. Imports nothing of the proxy's own.
 
+pub mod gate;
 pub mod io;
 pub mod netns;
 pub mod socket;
@@ -21,12 +22,17 @@ pub struct Limits {
     pub dial_timeout: Duration,
     /// A whole TLS handshake, either side, from the first byte to the peer's Finished.
     pub handshake_timeout: Duration,
-    /// Accepted connections per listener that have not finished their TLS handshake. When a
-    /// new one arrives at the cap, the oldest pending one is dropped (counted), so silent
-    /// connections cannot lock legitimate clients out.
+    /// Accepted inbound connections, all listeners together, that have not finished their TLS
+    /// handshake. Over it, the oldest one that waits on its peer from the source with the most
+    /// pending is dropped (counted): see `proxy::admission`. Connections waiting on us (queued
+    /// for a CPU turn) are never dropped, so a storm of real handshakes is queued, not cut.
     pub max_pending_handshakes: usize,
+    /// The same budget for one source address.
+    pub max_pending_handshakes_per_source: usize,
     /// TLS handshakes computing at once per proxy (each side); later ones wait in arrival order,
-    /// so a storm's early connections finish early instead of all finishing at the end.
+    /// so a storm's early connections finish early instead of all finishing at the end. A
+    /// handshake holds its turn only while it has bytes to work on, never while it waits on
+    /// its peer (see `net::gate`).
     pub max_concurrent_handshakes: usize,
     /// A pooled HBONE connection with no stream for this long is closed.
     pub pool_idle_timeout: Duration,
@@ -40,7 +46,8 @@ impl Default for Limits {
         Limits {
             dial_timeout: Duration::from_secs(10),
             handshake_timeout: Duration::from_secs(10),
-            max_pending_handshakes: 1024,
+            max_pending_handshakes: 4096,
+            max_pending_handshakes_per_source: 512,
             max_concurrent_handshakes: 32 * cpus,
             pool_idle_timeout: Duration::from_secs(300),
             pool_max_streams: 100,

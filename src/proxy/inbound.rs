@@ -35,18 +35,21 @@ pub async fn handle_hbone(
 ) {
     // The address the client dialled: redirected (pod ip:15008) or the listener's own.
     let Some(reached) = destination(&tcp) else { return };
-    // Until its handshake is done the connection holds a pending slot; a flood of silent
-    // connections evicts its own oldest members, not the listener.
-    let pending = ctx.pending.enter();
-    // The handshake is admitted (and may wait for a turn) only once the ClientHello is
-    // arriving: a silent connection never takes a turn from one that talks.
+    // Until its handshake is done the connection holds a place in the pending budget (per
+    // source and in total: see `admission`); one over budget is refused, counted.
+    let Some(pending) = ctx.pending.enter(peer.ip()) else {
+        crate::log_limited!(ctx.peer_logs, ("hbone", "pending_saturated"), warn,
+            src = %peer, "refused: every pending TLS handshake is being worked on (the pending budget is full)");
+        return;
+    };
+    // A connection that never speaks is cheap to hold and the first to go when room is needed.
     tokio::select! {
         r = crate::net::socket::first_bytes(&tcp) => if !matches!(r, Ok(true)) {
             ctx.metrics.refuse("tls_peer_closed");
             tracing::debug!(src = %peer, "HBONE connection closed before its ClientHello");
             return;
         },
-        // Counted as tls_pending_evicted when it happened.
+        // Counted by reason when it happened.
         _ = pending.evicted() => {
             tracing::debug!(src = %peer, "HBONE connection dropped before its ClientHello: evicted");
             return;
@@ -96,10 +99,11 @@ async fn serve_hbone_pending<S: Stream>(
                 None => std::future::pending().await,
             }
         };
+        let peer_turn = pending.as_ref().map(|p| p.peer_turn());
         let accepted = tokio::select! {
-            r = ctx.tls.accept(stream, &local_id) => r,
+            r = ctx.tls.accept_with(stream, &local_id, peer_turn) => r,
             _ = evicted => {
-                tracing::debug!("handshake dropped: evicted by newer connections");
+                tracing::debug!("handshake dropped: evicted while waiting on its peer, to make room");
                 return;
             }
         };

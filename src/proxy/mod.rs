@@ -2,6 +2,7 @@
 //! (15006), drain on shutdown, and one metrics/access-log record per proxied connection.
 #![forbid(unsafe_code)]
 
+pub mod admission;
 pub mod inbound;
 pub mod outbound;
 
@@ -18,6 +19,8 @@ use crate::net::Workers;
 use crate::ratelog::RateLog;
 use crate::state::State;
 use crate::tls::TlsProvider;
+
+pub use admission::{Pending, PendingHandshakes};
 
 /// Everything a connection handler needs.
 pub struct Ctx {
@@ -56,72 +59,6 @@ impl Ctx {
             netns,
             timeout: self.limits.dial_timeout,
         }
-    }
-}
-
-/// Connections that have not finished their TLS handshake, oldest first, at most `cap`. A new
-/// one at the cap evicts the oldest: silent or half-sent handshakes cannot fill the proxy's
-/// file descriptors and lock legitimate clients out, and a legitimate handshake, which takes
-/// milliseconds, is not the oldest for long.
-pub struct PendingHandshakes {
-    cap: usize,
-    next: std::sync::atomic::AtomicU64,
-    queue: std::sync::Mutex<std::collections::BTreeMap<u64, Arc<Notify>>>,
-    metrics: Arc<Metrics>,
-}
-
-/// One pending handshake's place; leaves the queue when dropped.
-pub struct Pending {
-    owner: Arc<PendingHandshakes>,
-    id: u64,
-    evicted: Arc<Notify>,
-}
-
-impl Pending {
-    /// Resolves when a newer connection took this one's place.
-    pub async fn evicted(&self) {
-        self.evicted.notified().await
-    }
-}
-
-impl Drop for Pending {
-    fn drop(&mut self) {
-        self.owner.queue.lock().unwrap().remove(&self.id);
-    }
-}
-
-impl PendingHandshakes {
-    pub fn new(cap: usize, metrics: Arc<Metrics>) -> Arc<PendingHandshakes> {
-        Arc::new(PendingHandshakes {
-            cap: cap.max(1),
-            next: Default::default(),
-            queue: Default::default(),
-            metrics,
-        })
-    }
-
-    /// Registers a new connection, evicting the oldest when at the cap.
-    pub fn enter(self: &Arc<Self>) -> Pending {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let evicted = Arc::new(Notify::new());
-        let mut q = self.queue.lock().unwrap();
-        if q.len() >= self.cap {
-            if let Some((_, oldest)) = q.pop_first() {
-                // notify_one keeps the wake-up even if the victim is not waiting yet.
-                oldest.notify_one();
-                self.metrics.refuse("tls_pending_evicted");
-            }
-        }
-        q.insert(id, evicted.clone());
-        Pending { owner: self.clone(), id, evicted }
-    }
-
-    pub fn len(&self) -> usize {
-        self.queue.lock().unwrap().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

@@ -5,8 +5,9 @@
 //!
 //! Contexts are built from scratch, per identity: nothing reads the system trust store (a context
 //! from `SslConnector::builder` would parse the whole CA bundle, ~1 MB of memory per identity).
-//! Handshakes are bounded in time and in number: at most `max_concurrent_handshakes` run at once
-//! per side, later ones wait in arrival order. A failure carries its real reason (timeout, peer
+//! Handshakes are bounded in time and in number: at most `max_concurrent_handshakes` compute at
+//! once per side, later ones wait in arrival order, and a handshake waiting on its peer holds no
+//! turn (see [`crate::net::gate`]). A failure carries its real reason (timeout, peer
 //! closed, bad record, alert received, no certificate, wrong identity…), and a refused peer
 //! certificate is answered with the `certificate_unknown` alert.
 //!
@@ -22,6 +23,7 @@ mod verify;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,6 +36,7 @@ use boring::x509::{X509Ref, X509};
 use tokio::sync::Semaphore;
 use tokio_boring::{SslStream, SslStreamBuilder};
 
+use crate::net::gate::Gate;
 use crate::net::io::Buffered;
 
 /// Key-exchange groups `tls_groups` may name (BoringSSL's names).
@@ -155,9 +158,10 @@ pub struct TlsProvider {
     /// `tls_ciphers`: TLS 1.3 suites in strict preference order; empty = BoringSSL's defaults.
     ciphers: Vec<String>,
     handshake_timeout: Duration,
-    /// One gate per side: handshakes computing at once, admitted in arrival order.
-    server_gate: Semaphore,
-    client_gate: Semaphore,
+    /// One gate per side: turns at the CPU for handshakes, taken in arrival order and held only
+    /// while a handshake has bytes to work on (see [`crate::net::gate`]).
+    server_gate: Arc<Semaphore>,
+    client_gate: Arc<Semaphore>,
 }
 
 impl TlsProvider {
@@ -179,16 +183,16 @@ impl TlsProvider {
             groups: String::new(),
             ciphers: suites::default_order(),
             handshake_timeout: crate::net::Limits::default().handshake_timeout,
-            server_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
-            client_gate: Semaphore::new(crate::net::Limits::default().max_concurrent_handshakes),
+            server_gate: turns(crate::net::Limits::default().max_concurrent_handshakes),
+            client_gate: turns(crate::net::Limits::default().max_concurrent_handshakes),
         }
     }
 
     /// Applies the handshake timeout and the concurrency bound of `limits`.
     pub fn with_limits(mut self, limits: &crate::net::Limits) -> Self {
         self.handshake_timeout = limits.handshake_timeout;
-        self.server_gate = Semaphore::new(limits.max_concurrent_handshakes.max(1));
-        self.client_gate = Semaphore::new(limits.max_concurrent_handshakes.max(1));
+        self.server_gate = turns(limits.max_concurrent_handshakes);
+        self.client_gate = turns(limits.max_concurrent_handshakes);
         self
     }
 
@@ -400,13 +404,22 @@ impl TlsProvider {
         self.metrics.handshake_seconds.get_or_create(&l).observe(start.elapsed().as_secs_f64());
     }
 
-    /// Runs `hs` once admitted through `gate` (arrival order), within the handshake timeout.
+    /// `stream`, buffered, its reads taking turns at `gate` until the handshake is done.
+    fn gated<S: Stream>(
+        gate: &Arc<Semaphore>,
+        stream: S,
+        peer_turn: Option<Arc<AtomicBool>>,
+    ) -> Buffered<S> {
+        let mut b = Buffered::new(stream);
+        b.set_gate(Gate::new(gate.clone(), peer_turn.unwrap_or_default()));
+        b
+    }
+
+    /// Runs `hs` within the handshake timeout.
     async fn bounded<T>(
         &self,
-        gate: &Semaphore,
         hs: impl std::future::Future<Output = Result<T, TlsError>>,
     ) -> Result<T, TlsError> {
-        let _permit = gate.acquire().await.map_err(|_| TlsError::Setup("closed".into()))?;
         match tokio::time::timeout(self.handshake_timeout, hs).await {
             Ok(r) => r,
             Err(_) => Err(TlsError::Timeout(self.handshake_timeout)),
@@ -419,10 +432,21 @@ impl TlsProvider {
         stream: S,
         local: &Identity,
     ) -> Result<(SslStream<Buffered<S>>, Identity), TlsError> {
+        self.accept_with(stream, local, None).await
+    }
+
+    /// [`TlsProvider::accept`], keeping `peer_turn` set while the handshake waits on its peer
+    /// (what the pending-handshake budget reads).
+    pub async fn accept_with<S: Stream>(
+        &self,
+        stream: S,
+        local: &Identity,
+        peer_turn: Option<Arc<AtomicBool>>,
+    ) -> Result<(SslStream<Buffered<S>>, Identity), TlsError> {
         let ctx = self.contexts(local).await?;
         let start = Instant::now();
         let r = self
-            .bounded(&self.server_gate, async {
+            .bounded(async {
                 let mut ssl = Ssl::new(&ctx.acceptor)?;
                 let refusal = Refusal::default();
                 verify::expect(
@@ -433,10 +457,12 @@ impl TlsProvider {
                         cap_tickets: self.resumption,
                     },
                 );
-                let s = SslStreamBuilder::new(ssl, Buffered::new(stream))
-                    .accept()
-                    .await
-                    .map_err(|e| handshake_error(&e, &refusal))?;
+                let mut s =
+                    SslStreamBuilder::new(ssl, Self::gated(&self.server_gate, stream, peer_turn))
+                        .accept()
+                        .await
+                        .map_err(|e| handshake_error(&e, &refusal))?;
+                s.get_mut().end_gate();
                 let cert = s.ssl().peer_certificate().ok_or(TlsError::NoPeerCert)?;
                 let peer = peer_identity_of(&cert)?;
                 if s.ssl().session_reused() {
@@ -480,7 +506,7 @@ impl TlsProvider {
         let ctx = self.contexts(local).await?;
         let start = Instant::now();
         let r = self
-            .bounded(&self.client_gate, async {
+            .bounded(async {
                 let mut ssl = Ssl::new(&ctx.connector)?;
                 if let (true, Some(addr)) = (self.resumption, dest) {
                     let key = resume::SessionKey { expected: expected.clone(), addr };
@@ -498,10 +524,12 @@ impl TlsProvider {
                         cap_tickets: false,
                     },
                 );
-                let s = SslStreamBuilder::new(ssl, Buffered::new(stream))
-                    .connect()
-                    .await
-                    .map_err(|e| handshake_error(&e, &refusal))?;
+                let mut s =
+                    SslStreamBuilder::new(ssl, Self::gated(&self.client_gate, stream, None))
+                        .connect()
+                        .await
+                        .map_err(|e| handshake_error(&e, &refusal))?;
+                s.get_mut().end_gate();
                 if s.ssl().session_reused() {
                     // The server proved it holds the session's secret, not a certificate: the
                     // session's certificate must still be the expected identity, and valid.
@@ -525,6 +553,11 @@ impl TlsProvider {
         self.record("client", r.is_ok(), resumed, start);
         r
     }
+}
+
+/// A gate of `n` turns (at least one).
+fn turns(n: usize) -> Arc<Semaphore> {
+    Arc::new(Semaphore::new(n.max(1)))
 }
 
 /// What a completed handshake negotiated, at debug level.
