@@ -293,3 +293,85 @@ async fn a_pods_listener_speaks_for_that_pod_whatever_the_source_address() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// `cp::policy` with a source block of /33 added to its match: a version the proxy refuses.
+fn refused(p: (String, Vec<u8>)) -> (String, Vec<u8>) {
+    use mbtunnel::proto::security as pb;
+    use prost::Message;
+    let mut a = pb::Authorization::decode(&p.1[..]).unwrap();
+    a.rules[0].clauses[0].matches[0]
+        .source_ips
+        .push(pb::Address { address: vec![10, 0, 0, 0], length: 33 });
+    (p.0, a.encode_to_vec())
+}
+
+async fn nacked(cp: &ControlPlane, name: &str) -> bool {
+    let want = format!("{name}:");
+    wait_for(|| {
+        count(cp, |s| matches!(s, Seen::Nack { message, .. } if message.contains(&want))) > 0
+    })
+    .await
+}
+
+/// A refused policy never widens access: a refused new version of a DENY still denies (now
+/// everyone in its namespace), and a refused only-ALLOW allows nobody, until a good version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_policy_fails_closed() {
+    let net = 45;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("xds-never-ca4");
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[("demo/echo.demo.svc.cluster.local", 8080)],
+            ),
+            cp::service("echo", ip(net, 50), 8080),
+        ],
+    );
+    let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let (a, b) = cp::start_pair(net, &cp, &never).await;
+    assert!(echo_ok(net, 2).await, "no policy: allowed");
+    // A DENY of another identity: the client still passes.
+    let deny = || cp::policy("d", "demo", true, &["cluster.local/ns/demo/sa/intruder"], false);
+    cp.upsert(AUTHORIZATION_TYPE, vec![deny()]);
+    assert!(wait_for(|| b.ctx.state.policy("demo/d").is_some()).await);
+    assert!(echo_ok(net, 2).await, "a DENY of another identity lets the client through");
+    // Its refused new version: NACKed, and it denies everything in namespace demo.
+    cp.upsert(AUTHORIZATION_TYPE, vec![refused(deny())]);
+    assert!(nacked(&cp, "demo/d").await, "{:?}", cp.seen());
+    assert!(
+        wait_for(|| b.ctx.state.policy("demo/d").is_some_and(|p| p.fail_closed.is_some())).await
+    );
+    assert!(!echo_ok(net, 2).await, "a refused DENY must keep denying (its whole scope)");
+    let bm = b.metrics_text();
+    assert_eq!(metric(&bm, "mbtunnel_xds_policies_failed_closed", &[]), Some(1.0), "{bm}");
+    // A good version lifts it.
+    cp.upsert(AUTHORIZATION_TYPE, vec![deny()]);
+    assert!(
+        wait_for(|| b.ctx.state.policy("demo/d").is_some_and(|p| p.fail_closed.is_none())).await
+    );
+    assert!(echo_ok(net, 2).await, "the good version applies again");
+    // A refused ALLOW of the client, the only ALLOW: nobody is allowed.
+    cp.remove(AUTHORIZATION_TYPE, &["demo/d"], true);
+    cp.upsert(
+        AUTHORIZATION_TYPE,
+        vec![refused(cp::policy("a", "demo", false, &["cluster.local/ns/demo/sa/client"], false))],
+    );
+    assert!(nacked(&cp, "demo/a").await, "{:?}", cp.seen());
+    assert!(
+        wait_for(
+            || b.ctx.state.policy("demo/d").is_none() && b.ctx.state.policy("demo/a").is_some()
+        )
+        .await
+    );
+    assert!(!echo_ok(net, 2).await, "a refused only-ALLOW must allow nothing");
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -46,6 +46,8 @@ pub enum Decision {
     ExplicitDeny(Arc<Authorization>),
     /// ALLOW policies apply and none matched.
     NoAllowMatched,
+    /// The destination is a held workload whose newest xDS version was refused (why).
+    DestinationFailedClosed(String),
 }
 
 impl Decision {
@@ -61,6 +63,10 @@ impl Decision {
                 format!("explicitly denied by: {}/{}", p.namespace, p.name)
             }
             Decision::NoAllowMatched => "allow policies exist but none matched".into(),
+            Decision::DestinationFailedClosed(why) => format!(
+                "destination workload enforced fail-closed ({why}); denied until the control plane \
+                 sends a version this proxy accepts"
+            ),
         }
     }
 }
@@ -155,6 +161,9 @@ pub fn decide(
     c: &Conn,
     mut explain: Option<&mut Vec<Considered>>,
 ) -> Decision {
+    if let Some(why) = &dst.fail_closed {
+        return Decision::DestinationFailedClosed(why.clone());
+    }
     let mut deny: Option<Arc<Authorization>> = None;
     let mut allow_exists = false;
     let mut allow_matched = false;

@@ -48,6 +48,7 @@ fn check(policies: &str, listed: &[&str], src: &str, src_ip: &str, to: &str) -> 
         Decision::Allow => "allow".into(),
         Decision::ExplicitDeny(p) => format!("deny {}", p.key()),
         Decision::NoAllowMatched => "no-allow".into(),
+        Decision::DestinationFailedClosed(_) => "failed-closed".into(),
     }
 }
 

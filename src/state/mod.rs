@@ -105,11 +105,15 @@ struct Index {
     /// workload is found without scanning every policy.
     global: BTreeMap<String, Arc<Authorization>>,
     by_ns: HashMap<String, BTreeMap<String, Arc<Authorization>>>,
+    /// Held policies and workloads that are fail-closed stand-ins (`fail_closed` set).
+    failed_policies: usize,
+    failed_workloads: usize,
 }
 
 impl Index {
     fn remove_workload(&mut self, uid: &str) -> bool {
         let Some(old) = self.workloads.remove(uid) else { return false };
+        self.failed_workloads -= old.fail_closed.is_some() as usize;
         for ip in &old.ips {
             if self.by_ip.get(ip).is_some_and(|w| w.uid == uid) {
                 self.by_ip.remove(ip);
@@ -128,6 +132,7 @@ impl Index {
 
     fn insert_workload(&mut self, w: Workload) {
         self.remove_workload(&w.uid);
+        self.failed_workloads += w.fail_closed.is_some() as usize;
         let w = Arc::new(w);
         for ip in &w.ips {
             if let Some(prev) = self.by_ip.insert(*ip, w.clone()) {
@@ -148,6 +153,7 @@ impl Index {
 
     fn remove_policy(&mut self, key: &str) {
         if let Some(old) = self.policies.remove(key) {
+            self.failed_policies -= old.fail_closed.is_some() as usize;
             self.global.remove(key);
             if let Some(m) = self.by_ns.get_mut(&old.namespace) {
                 m.remove(key);
@@ -161,6 +167,7 @@ impl Index {
     fn insert_policy(&mut self, p: Authorization) {
         let key = p.key();
         self.remove_policy(&key);
+        self.failed_policies += p.fail_closed.is_some() as usize;
         let p = Arc::new(p);
         match p.scope {
             policy::Scope::Global => {
@@ -278,6 +285,13 @@ impl Store {
             services: ix.services.len(),
             policies: ix.policies.len(),
         }
+    }
+
+    /// Held (policies, workloads) that are enforced fail-closed: stand-ins for refused or
+    /// half-understood xDS versions (see `fail_closed` on each).
+    pub fn failed_closed(&self) -> (usize, usize) {
+        let ix = self.index.read().unwrap();
+        (ix.failed_policies, ix.failed_workloads)
     }
 
     /// Names held now, per family (what a reconnecting xDS client or a file reload compares).
