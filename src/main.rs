@@ -196,6 +196,11 @@ struct RunArgs {
     /// [env: INSTANCE_IP]
     #[arg(long)]
     instance_ip: Option<std::net::IpAddr>,
+    /// With istiod: how long a connection that arrives before the first xDS response of both
+    /// types waits before it is refused, in milliseconds (default 5000).
+    /// [env: MBTUNNEL_XDS_SYNC_TIMEOUT_MS]
+    #[arg(long)]
+    xds_sync_timeout_ms: Option<u64>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -510,6 +515,9 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     }
     if let Some(v) = &a.pod_namespace {
         cfg.pod_namespace = v.clone();
+    }
+    if let Some(v) = a.xds_sync_timeout_ms {
+        cfg.xds_sync_timeout_ms = v;
     }
     if let Some(v) = a.instance_ip {
         cfg.instance_ip = Some(v);

@@ -375,3 +375,103 @@ async fn a_refused_policy_fails_closed() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// Workloads c1 (client), c2 (client2) on node A, e1 (echo) on node B behind service echo; one
+/// DENY of client2, held back by the control plane until released; the proxies started with
+/// `sync_timeout_ms` and not waited for.
+async fn start_unsynced(
+    net: u8,
+    cp: &ControlPlane,
+    sync_timeout_ms: u64,
+    dir: &str,
+) -> (Running, Running) {
+    let never = common::temp_dir(dir);
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload("c2", "client2", "client2", ip(net, 6), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[("demo/echo.demo.svc.cluster.local", 8080)],
+            ),
+            cp::service("echo", ip(net, 50), 8080),
+        ],
+    );
+    cp.upsert(
+        AUTHORIZATION_TYPE,
+        vec![cp::policy("d", "demo", true, &["cluster.local/ns/demo/sa/client2"], false)],
+    );
+    cp.shared.hold_policies.store(true, std::sync::atomic::Ordering::SeqCst);
+    let start = |node| {
+        let mut c = node_config(net, node, cp, cp::TOKEN, &never);
+        c.xds_sync_timeout_ms = sync_timeout_ms;
+        mbtunnel::app::start(c, None)
+    };
+    let b = start("node-b").await.expect("start B");
+    let a = start("node-a").await.expect("start A");
+    // Addresses arrive; Authorization is held back.
+    assert!(
+        wait_for(|| a.ctx.state.workload_by_uid("e1").is_some()
+            && b.ctx.state.workload_by_uid("c1").is_some())
+        .await
+    );
+    assert!(a.ctx.state.policy("demo/d").is_none());
+    (a, b)
+}
+
+/// Before the first Authorization response a connection is never decided against an empty
+/// policy set: past the bound it is refused as `xds_not_synced`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_before_the_first_sync_is_refused_past_the_bound() {
+    let net = 46;
+    let cp = ControlPlane::start().await;
+    let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let (a, b) = start_unsynced(net, &cp, 200, "xds-never-ca5").await;
+    assert!(!echo_ok(net, 6).await, "decided before the policies arrived");
+    assert!(!echo_ok(net, 2).await, "decided before the policies arrived");
+    let am = a.metrics_text();
+    assert!(
+        metric(&am, "mbtunnel_connections_refused_total", &["xds_not_synced"]).unwrap_or(0.0)
+            >= 2.0,
+        "{am}"
+    );
+    cp.release_policies();
+    assert!(
+        a.wait_ready(Duration::from_secs(20)).await && b.wait_ready(Duration::from_secs(20)).await
+    );
+    assert!(echo_ok(net, 2).await, "allowed once synced");
+    assert!(!echo_ok(net, 6).await, "denied by the policy once synced");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A connection made while Authorization is held back waits, and is decided against the
+/// policies once they arrive within the bound: the client allowed, client2 denied (an empty
+/// policy set would have allowed it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_before_the_first_sync_waits_for_the_policies() {
+    let net = 47;
+    let cp = ControlPlane::start().await;
+    let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let (a, b) = start_unsynced(net, &cp, 60_000, "xds-never-ca6").await;
+    let allowed = tokio::spawn(echo_ok(net, 2));
+    let denied = tokio::spawn(echo_ok(net, 6));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!allowed.is_finished() && !denied.is_finished(), "decided before the policies arrived");
+    cp.release_policies();
+    assert!(allowed.await.unwrap(), "the client waits, then is allowed");
+    assert!(!denied.await.unwrap(), "client2 waits, then is denied by the policy");
+    let am = a.metrics_text();
+    assert_eq!(
+        metric(&am, "mbtunnel_connections_refused_total", &["xds_not_synced"]),
+        None,
+        "{am}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -145,6 +145,31 @@ pub fn policy_matches(p: &Authorization, c: &Conn) -> bool {
     p.rules.iter().any(|r| rule_matches(r, c))
 }
 
+/// The hook every new connection passes before its destination is looked up or authorized
+/// (inbound HBONE, inbound plaintext, outbound): waits for the mesh state's first complete sync
+/// ([`Store::wait_synced`], bounded by `xds_sync_timeout_ms`). `false`: the bound passed; the
+/// connection is counted as refused (`xds_not_synced`) and logged, and the caller drops it.
+pub async fn wait_synced(
+    state: &Store,
+    metrics: &crate::metrics::Metrics,
+    logs: &crate::ratelog::RateLog<(&'static str, &'static str)>,
+    site: &'static str,
+) -> bool {
+    if state.is_synced() {
+        return true;
+    }
+    tracing::debug!(site, "connection waits for the first complete xDS response of each type");
+    match state.wait_synced().await {
+        Ok(()) => true,
+        Err(e) => {
+            metrics.refuse(e.reason());
+            crate::log_limited!(logs, (site, e.reason()), warn, site, error = %e,
+                "refused: connection arrived before the mesh state was synced");
+            false
+        }
+    }
+}
+
 /// One applicable policy's part in a decision, for explanations.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Considered {

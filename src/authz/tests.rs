@@ -16,6 +16,7 @@ fn store(policies: &str) -> Store {
         hbone_port: 15008,
         node_hbone: HashMap::new(),
         inpod: false,
+        sync_timeout: None,
     });
     let ps: Vec<Authorization> = serde_yaml::from_str(policies).expect(policies);
     s.apply(Delta { upserts: ps.into_iter().map(Resource::Policy).collect(), removes: vec![] });

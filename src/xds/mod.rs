@@ -354,6 +354,9 @@ impl Client {
         }
         let (n_up, n_rm) = (delta.upserts.len(), delta.removes.len());
         self.store.apply(delta);
+        // A response of a wildcard subscription holds the whole family: connections waiting
+        // for the first sync go on once both families have one.
+        self.store.mark_synced(family);
         let nack = !errors.is_empty();
         {
             let mut st = self.status.lock().unwrap();
@@ -481,6 +484,7 @@ mod tests {
             hbone_port: 15008,
             node_hbone: HashMap::new(),
             inpod: false,
+            sync_timeout: None,
         }));
         let ep = Endpoints {
             address: "https://cp.invalid:15012".into(),
