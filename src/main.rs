@@ -81,6 +81,10 @@ enum Cmd {
         /// The source: a SPIFFE id (an mTLS peer) or an IP address (a plaintext peer).
         #[arg(long)]
         src: String,
+        /// The source's address; required when --src is a SPIFFE id (policies with source_ips
+        /// compare it).
+        #[arg(long)]
+        src_ip: Option<std::net::IpAddr>,
         /// The destination, ip:port.
         #[arg(long)]
         dst: std::net::SocketAddr,
@@ -678,9 +682,15 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Redirect(RedirectCmd::Ebpf(cmd)) => ebpf_cmd(cmd),
-        Cmd::CheckPolicy { src, dst, admin } => {
+        Cmd::CheckPolicy { src, src_ip, dst, admin } => {
+            if src.starts_with("spiffe://") && src_ip.is_none() {
+                anyhow::bail!(
+                    "check-policy: a SPIFFE --src needs --src-ip, the peer's address (policies \
+                     with source_ips compare it; none is assumed)"
+                );
+            }
             let a = mbtunnel::redirect::control::Admin { addr: admin, token_file: PathBuf::new() };
-            print!("{}", a.check_policy(&src, &dst.to_string())?);
+            print!("{}", a.check_policy(&src, src_ip, &dst.to_string())?);
             Ok(())
         }
         Cmd::Redirect(RedirectCmd::Iptables { action, netns }) => {

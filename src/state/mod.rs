@@ -413,24 +413,26 @@ impl Store {
         v
     }
 
-    /// Calls `f` with every policy that applies to `w`: GLOBAL ones, its namespace's NAMESPACE
-    /// ones and the WORKLOAD_SELECTOR ones it names (a name the store does not hold is skipped
-    /// with a warning, once per name). Holds the read lock; allocates nothing.
+    /// Calls `f` with every policy that applies to `w`, in ztunnel's order: its namespace's
+    /// NAMESPACE ones, the GLOBAL ones, then every policy it lists by name whatever its scope
+    /// (one already given through its scope is not given twice; a name the store does not hold
+    /// is skipped with a warning, once per name). Holds the read lock; allocates nothing.
     pub fn for_each_policy_of(&self, w: &Workload, mut f: impl FnMut(&Arc<Authorization>)) {
         let ix = self.index.read().unwrap();
-        for p in ix.global.values() {
-            f(p);
-        }
         if let Some(m) = ix.by_ns.get(&w.namespace) {
             for p in m.values() {
                 f(p);
             }
         }
+        for p in ix.global.values() {
+            f(p);
+        }
         for name in &w.authorization_policies {
             match ix.policies.get(name) {
-                Some(p) if p.scope == policy::Scope::WorkloadSelector => f(p),
-                // Already counted through its scope.
-                Some(_) => {}
+                // Already given through its scope.
+                Some(p) if p.scope == policy::Scope::Global => {}
+                Some(p) if p.scope == policy::Scope::Namespace && p.namespace == w.namespace => {}
+                Some(p) => f(p),
                 None => {
                     let mut warned = self.warned.lock().unwrap();
                     if warned.insert(name.clone()) {
