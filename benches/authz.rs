@@ -19,6 +19,7 @@ pub fn store_with(n: usize) -> (Store, Workload) {
         hbone_port: 15008,
         node_hbone: HashMap::new(),
         inpod: false,
+        sync_timeout: None,
     });
     let mut ps = Vec::new();
     for (ns, count) in [("demo", n), ("elsewhere", 1000)] {

@@ -288,7 +288,7 @@ pub async fn serve_admin(ep: Endpoint, st: Arc<AdminState>) {
             match path {
                 "/authz/check" => {
                     let q = req.uri().query();
-                    match authz_check(&st, query_param(q, "src"), query_param(q, "dst")) {
+                    match authz_check(&st, query_param(q, "src"), query_param(q, "src_ip"), query_param(q, "dst")) {
                         Ok(v) => with_type(
                             text(StatusCode::OK, serde_json::to_string_pretty(&v).unwrap_or_default()),
                             "application/json",
@@ -331,48 +331,14 @@ pub async fn serve_admin(ep: Endpoint, st: Arc<AdminState>) {
     .await
 }
 
-/// `/authz/check?src=<spiffe id | ip>&dst=<ip:port>`: the decision for a hypothetical
-/// connection to a local workload, with every applicable policy and whether it matched.
+/// `/authz/check?src=<spiffe id | ip>[&src_ip=<ip>]&dst=<ip:port>`: see `authz::explain`.
 pub fn authz_check(
     st: &AdminState,
     src: Option<String>,
+    src_ip: Option<String>,
     dst: Option<String>,
 ) -> Result<serde_json::Value, String> {
-    let usage = "usage: /authz/check?src=<spiffe://... or source ip>&dst=<ip:port>";
-    let src = src.ok_or(usage)?;
-    let dst: std::net::SocketAddr =
-        dst.ok_or(usage)?.parse().map_err(|_| format!("dst must be ip:port; {usage}"))?;
-    let state = &st.ctx.state;
-    let w = state
-        .workload_by_ip(dst.ip())
-        .ok_or_else(|| format!("{} is not a workload address in the mesh state", dst.ip()))?;
-    // A SPIFFE id is an mTLS peer; an address alone is a plaintext one.
-    let (id, src_ip) = if src.starts_with("spiffe://") {
-        let id: crate::identity::Identity = src.parse().map_err(|e| format!("src: {e}"))?;
-        (Some(id), std::net::IpAddr::from([0, 0, 0, 0]))
-    } else {
-        (None, src.parse().map_err(|_| format!("src must be a SPIFFE id or an IP; {usage}"))?)
-    };
-    let principal = id.as_ref().map(crate::authz::principal_of);
-    let c = crate::authz::Conn {
-        src: id.as_ref(),
-        principal: principal.as_deref(),
-        src_ip,
-        dst_ip: dst.ip(),
-        dst_port: dst.port(),
-    };
-    let mut considered = Vec::new();
-    let d = crate::authz::decide(state, &w, &c, Some(&mut considered));
-    Ok(json!({
-        "source": src,
-        "source_identity_verified": id.is_some(),
-        "destination": dst.to_string(),
-        "destination_workload": format!("{}/{}", w.namespace, w.name),
-        "local": state.local_workload_by_ip(dst.ip()).is_some(),
-        "allowed": d.allowed(),
-        "reason": d.reason(),
-        "policies": considered,
-    }))
+    crate::authz::explain(&st.ctx.state, src.as_deref(), src_ip.as_deref(), dst.as_deref())
 }
 
 /// Everything `/config_dump` shows: settings, mesh state, xDS, certificates, signer, redirect.

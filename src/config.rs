@@ -45,6 +45,8 @@ pub mod env {
     pub const AUTH_TOKEN: &str = "AUTH_TOKEN";
     pub const AUTH_TOKEN_FILE: &str = "MBTUNNEL_AUTH_TOKEN_FILE";
     pub const CLUSTER_ID: &str = "CLUSTER_ID";
+    /// How long a connection waits for the first xDS sync, milliseconds.
+    pub const XDS_SYNC_TIMEOUT_MS: &str = "MBTUNNEL_XDS_SYNC_TIMEOUT_MS";
     /// Certificate lifetime requested from the CA, e.g. `24h`, `90m`, `3600s`.
     pub const SECRET_TTL: &str = "SECRET_TTL";
     pub const POD_NAME: &str = "POD_NAME";
@@ -213,6 +215,10 @@ pub struct Config {
     /// istiod's xDS endpoint (`https://host:15012`). Set: workloads, services and policies come
     /// over delta xDS and the file must not list any.
     pub xds_address: Option<String>,
+    /// xDS mode: a connection that arrives before the first complete response of both types
+    /// (Address and Authorization) waits at most this long, then is refused (`xds_not_synced`);
+    /// milliseconds. Never decided against an empty or partial policy set.
+    pub xds_sync_timeout_ms: u64,
     /// istiod's CA endpoint; unset with `xds_address` set: the same address. Set: certificates
     /// come from that CA and the proxy holds no CA key.
     pub ca_address: Option<String>,
@@ -264,6 +270,7 @@ impl Default for Config {
             drain_timeout_secs: 5,
             connect_timeout_ms: 10_000,
             handshake_timeout_ms: 10_000,
+            xds_sync_timeout_ms: 5_000,
             max_pending_handshakes: 4096,
             max_pending_handshakes_per_source: 512,
             max_concurrent_handshakes: 0,
@@ -406,6 +413,14 @@ impl Config {
         if let Some(v) = get(env::CLUSTER_ID).and_then(nonempty) {
             self.cluster_id = v;
         }
+        if let Some(v) = get(env::XDS_SYNC_TIMEOUT_MS).and_then(nonempty) {
+            self.xds_sync_timeout_ms = v.trim().parse().map_err(|_| {
+                ConfigError::Invalid(format!(
+                    "{}: '{v}' is not a number of milliseconds",
+                    env::XDS_SYNC_TIMEOUT_MS
+                ))
+            })?;
+        }
         if let Some(v) = get(env::SECRET_TTL).and_then(nonempty) {
             self.cert_lifetime_secs = parse_duration(&v)
                 .map_err(|e| ConfigError::Invalid(format!("{}: {e}", env::SECRET_TTL)))?
@@ -455,6 +470,10 @@ impl Config {
             hbone_port: self.hbone_port,
             node_hbone: self.nodes.iter().map(|n| (n.name.clone(), n.hbone_addr)).collect(),
             inpod: self.inpod_enabled,
+            sync_timeout: self
+                .xds_address
+                .is_some()
+                .then(|| Duration::from_millis(self.xds_sync_timeout_ms)),
         }
     }
 
@@ -525,6 +544,7 @@ impl Config {
         for (name, v) in [
             ("connect_timeout_ms", self.connect_timeout_ms),
             ("handshake_timeout_ms", self.handshake_timeout_ms),
+            ("xds_sync_timeout_ms", self.xds_sync_timeout_ms),
             ("pool_idle_timeout_secs", self.pool_idle_timeout_secs),
             ("max_pending_handshakes", self.max_pending_handshakes as u64),
             ("max_pending_handshakes_per_source", self.max_pending_handshakes_per_source as u64),

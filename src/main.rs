@@ -81,6 +81,10 @@ enum Cmd {
         /// The source: a SPIFFE id (an mTLS peer) or an IP address (a plaintext peer).
         #[arg(long)]
         src: String,
+        /// The source's address; required when --src is a SPIFFE id (policies with source_ips
+        /// compare it).
+        #[arg(long)]
+        src_ip: Option<std::net::IpAddr>,
         /// The destination, ip:port.
         #[arg(long)]
         dst: std::net::SocketAddr,
@@ -196,6 +200,11 @@ struct RunArgs {
     /// [env: INSTANCE_IP]
     #[arg(long)]
     instance_ip: Option<std::net::IpAddr>,
+    /// With istiod: how long a connection that arrives before the first xDS response of both
+    /// types waits before it is refused, in milliseconds (default 5000).
+    /// [env: MBTUNNEL_XDS_SYNC_TIMEOUT_MS]
+    #[arg(long)]
+    xds_sync_timeout_ms: Option<u64>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -511,6 +520,9 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     if let Some(v) = &a.pod_namespace {
         cfg.pod_namespace = v.clone();
     }
+    if let Some(v) = a.xds_sync_timeout_ms {
+        cfg.xds_sync_timeout_ms = v;
+    }
     if let Some(v) = a.instance_ip {
         cfg.instance_ip = Some(v);
     }
@@ -670,9 +682,15 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Redirect(RedirectCmd::Ebpf(cmd)) => ebpf_cmd(cmd),
-        Cmd::CheckPolicy { src, dst, admin } => {
+        Cmd::CheckPolicy { src, src_ip, dst, admin } => {
+            if src.starts_with("spiffe://") && src_ip.is_none() {
+                anyhow::bail!(
+                    "check-policy: a SPIFFE --src needs --src-ip, the peer's address (policies \
+                     with source_ips compare it; none is assumed)"
+                );
+            }
             let a = mbtunnel::redirect::control::Admin { addr: admin, token_file: PathBuf::new() };
-            print!("{}", a.check_policy(&src, &dst.to_string())?);
+            print!("{}", a.check_policy(&src, src_ip, &dst.to_string())?);
             Ok(())
         }
         Cmd::Redirect(RedirectCmd::Iptables { action, netns }) => {

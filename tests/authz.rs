@@ -84,14 +84,18 @@ async fn allow_deny_live_and_strict() {
                 token_file: Default::default(),
             };
             let d = echo_addr.clone();
-            move || a.check_policy("spiffe://cluster.local/ns/demo/sa/intruder", &d).unwrap()
+            move || {
+                let from = Some(ip(net, 9));
+                a.check_policy("spiffe://cluster.local/ns/demo/sa/intruder", from, &d).unwrap()
+            }
         })
         .await
         .unwrap(),
     )
     .unwrap();
     assert_eq!(v["allowed"], false, "{v}");
-    assert_eq!(v["reason"], "allow policies exist but none matched", "{v}");
+    assert_eq!(v["reason"], "allow policies exist, but none allowed", "{v}");
+    assert_eq!(v["source_ip"], ip(net, 9).to_string(), "{v}");
     assert_eq!(v["policies"][0]["policy"], "demo/allow-client", "{v}");
     assert_eq!(v["policies"][0]["matched"], false, "{v}");
 

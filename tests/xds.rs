@@ -293,3 +293,185 @@ async fn a_pods_listener_speaks_for_that_pod_whatever_the_source_address() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// `cp::policy` with a source block of /33 added to its match: a version the proxy refuses.
+fn refused(p: (String, Vec<u8>)) -> (String, Vec<u8>) {
+    use mbtunnel::proto::security as pb;
+    use prost::Message;
+    let mut a = pb::Authorization::decode(&p.1[..]).unwrap();
+    a.rules[0].clauses[0].matches[0]
+        .source_ips
+        .push(pb::Address { address: vec![10, 0, 0, 0], length: 33 });
+    (p.0, a.encode_to_vec())
+}
+
+async fn nacked(cp: &ControlPlane, name: &str) -> bool {
+    let want = format!("{name}:");
+    wait_for(|| {
+        count(cp, |s| matches!(s, Seen::Nack { message, .. } if message.contains(&want))) > 0
+    })
+    .await
+}
+
+/// A refused policy never widens access: a refused new version of a DENY still denies (now
+/// everyone in its namespace), and a refused only-ALLOW allows nobody, until a good version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_policy_fails_closed() {
+    let net = 45;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("xds-never-ca4");
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[("demo/echo.demo.svc.cluster.local", 8080)],
+            ),
+            cp::service("echo", ip(net, 50), 8080),
+        ],
+    );
+    let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let (a, b) = cp::start_pair(net, &cp, &never).await;
+    assert!(echo_ok(net, 2).await, "no policy: allowed");
+    // A DENY of another identity: the client still passes.
+    let deny = || cp::policy("d", "demo", true, &["cluster.local/ns/demo/sa/intruder"], false);
+    cp.upsert(AUTHORIZATION_TYPE, vec![deny()]);
+    assert!(wait_for(|| b.ctx.state.policy("demo/d").is_some()).await);
+    assert!(echo_ok(net, 2).await, "a DENY of another identity lets the client through");
+    // Its refused new version: NACKed, and it denies everything in namespace demo.
+    cp.upsert(AUTHORIZATION_TYPE, vec![refused(deny())]);
+    assert!(nacked(&cp, "demo/d").await, "{:?}", cp.seen());
+    assert!(
+        wait_for(|| b.ctx.state.policy("demo/d").is_some_and(|p| p.fail_closed.is_some())).await
+    );
+    assert!(!echo_ok(net, 2).await, "a refused DENY must keep denying (its whole scope)");
+    let bm = b.metrics_text();
+    assert_eq!(metric(&bm, "mbtunnel_xds_policies_failed_closed", &[]), Some(1.0), "{bm}");
+    // A good version lifts it.
+    cp.upsert(AUTHORIZATION_TYPE, vec![deny()]);
+    assert!(
+        wait_for(|| b.ctx.state.policy("demo/d").is_some_and(|p| p.fail_closed.is_none())).await
+    );
+    assert!(echo_ok(net, 2).await, "the good version applies again");
+    // A refused ALLOW of the client, the only ALLOW: nobody is allowed.
+    cp.remove(AUTHORIZATION_TYPE, &["demo/d"], true);
+    cp.upsert(
+        AUTHORIZATION_TYPE,
+        vec![refused(cp::policy("a", "demo", false, &["cluster.local/ns/demo/sa/client"], false))],
+    );
+    assert!(nacked(&cp, "demo/a").await, "{:?}", cp.seen());
+    assert!(
+        wait_for(
+            || b.ctx.state.policy("demo/d").is_none() && b.ctx.state.policy("demo/a").is_some()
+        )
+        .await
+    );
+    assert!(!echo_ok(net, 2).await, "a refused only-ALLOW must allow nothing");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// Workloads c1 (client), c2 (client2) on node A, e1 (echo) on node B behind service echo; one
+/// DENY of client2, held back by the control plane until released; the proxies started with
+/// `sync_timeout_ms` and not waited for.
+async fn start_unsynced(
+    net: u8,
+    cp: &ControlPlane,
+    sync_timeout_ms: u64,
+    dir: &str,
+) -> (Running, Running) {
+    let never = common::temp_dir(dir);
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload("c2", "client2", "client2", ip(net, 6), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[("demo/echo.demo.svc.cluster.local", 8080)],
+            ),
+            cp::service("echo", ip(net, 50), 8080),
+        ],
+    );
+    cp.upsert(
+        AUTHORIZATION_TYPE,
+        vec![cp::policy("d", "demo", true, &["cluster.local/ns/demo/sa/client2"], false)],
+    );
+    cp.shared.hold_policies.store(true, std::sync::atomic::Ordering::SeqCst);
+    let start = |node| {
+        let mut c = node_config(net, node, cp, cp::TOKEN, &never);
+        c.xds_sync_timeout_ms = sync_timeout_ms;
+        mbtunnel::app::start(c, None)
+    };
+    let b = start("node-b").await.expect("start B");
+    let a = start("node-a").await.expect("start A");
+    // Addresses arrive; Authorization is held back.
+    assert!(
+        wait_for(|| a.ctx.state.workload_by_uid("e1").is_some()
+            && b.ctx.state.workload_by_uid("c1").is_some())
+        .await
+    );
+    assert!(a.ctx.state.policy("demo/d").is_none());
+    (a, b)
+}
+
+/// Before the first Authorization response a connection is never decided against an empty
+/// policy set: past the bound it is refused as `xds_not_synced`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_before_the_first_sync_is_refused_past_the_bound() {
+    let net = 46;
+    let cp = ControlPlane::start().await;
+    let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let (a, b) = start_unsynced(net, &cp, 200, "xds-never-ca5").await;
+    assert!(!echo_ok(net, 6).await, "decided before the policies arrived");
+    assert!(!echo_ok(net, 2).await, "decided before the policies arrived");
+    let am = a.metrics_text();
+    assert!(
+        metric(&am, "mbtunnel_connections_refused_total", &["xds_not_synced"]).unwrap_or(0.0)
+            >= 2.0,
+        "{am}"
+    );
+    cp.release_policies();
+    assert!(
+        a.wait_ready(Duration::from_secs(20)).await && b.wait_ready(Duration::from_secs(20)).await
+    );
+    assert!(echo_ok(net, 2).await, "allowed once synced");
+    assert!(!echo_ok(net, 6).await, "denied by the policy once synced");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+/// A connection made while Authorization is held back waits, and is decided against the
+/// policies once they arrive within the bound: the client allowed, client2 denied (an empty
+/// policy set would have allowed it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_before_the_first_sync_waits_for_the_policies() {
+    let net = 47;
+    let cp = ControlPlane::start().await;
+    let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let (a, b) = start_unsynced(net, &cp, 60_000, "xds-never-ca6").await;
+    let allowed = tokio::spawn(echo_ok(net, 2));
+    let denied = tokio::spawn(echo_ok(net, 6));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(!allowed.is_finished() && !denied.is_finished(), "decided before the policies arrived");
+    cp.release_policies();
+    assert!(allowed.await.unwrap(), "the client waits, then is allowed");
+    assert!(!denied.await.unwrap(), "client2 waits, then is denied by the policy");
+    let am = a.metrics_text();
+    assert_eq!(
+        metric(&am, "mbtunnel_connections_refused_total", &["xds_not_synced"]),
+        None,
+        "{am}"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}

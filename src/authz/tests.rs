@@ -16,6 +16,7 @@ fn store(policies: &str) -> Store {
         hbone_port: 15008,
         node_hbone: HashMap::new(),
         inpod: false,
+        sync_timeout: None,
     });
     let ps: Vec<Authorization> = serde_yaml::from_str(policies).expect(policies);
     s.apply(Delta { upserts: ps.into_iter().map(Resource::Policy).collect(), removes: vec![] });
@@ -48,6 +49,7 @@ fn check(policies: &str, listed: &[&str], src: &str, src_ip: &str, to: &str) -> 
         Decision::Allow => "allow".into(),
         Decision::ExplicitDeny(p) => format!("deny {}", p.key()),
         Decision::NoAllowMatched => "no-allow".into(),
+        Decision::DestinationFailedClosed(_) => "failed-closed".into(),
     }
 }
 
@@ -165,5 +167,156 @@ fn explanation_names_every_applicable_policy() {
     let mut e = Vec::new();
     assert!(decide(&s, &dst(&[]), &c, Some(&mut e)).allowed());
     let names: Vec<_> = e.iter().map(|c| (c.policy.as_str(), c.matched, c.dry_run)).collect();
-    assert_eq!(names, vec![("x/g", true, true), ("demo/a", true, false)]);
+    // ztunnel's order: the destination's namespace, then GLOBAL.
+    assert_eq!(names, vec![("demo/a", true, false), ("x/g", true, true)]);
+}
+
+// Issue 30 item 10: the last differences from ztunnel's `assert_rbac` / `rbac.rs`, one test each.
+
+#[test]
+fn a_listed_policy_applies_whatever_its_scope() {
+    let p = "[{name: n, namespace: other, scope: NAMESPACE, action: DENY, rules: [{}]}]";
+    assert_eq!(check(p, &["other/n"], CLIENT, FROM, TO), "deny other/n", "listed NAMESPACE policy");
+    assert_eq!(check(p, &[], CLIENT, FROM, TO), "allow", "not listed: another namespace's");
+    // Listed and also applying through its scope: counted once (explanations list it once).
+    let s = store("[{name: d, namespace: demo, scope: NAMESPACE, action: DENY, rules: []}]");
+    let (id, pr) = peer(CLIENT);
+    let mut e = Vec::new();
+    decide(&s, &dst(&["demo/d"]), &conn(&id, &pr, FROM), Some(&mut e));
+    assert_eq!(e.len(), 1, "{e:?}");
+}
+
+#[test]
+fn a_peer_without_identity_has_the_empty_namespace() {
+    for m in [
+        "{namespaces: [{exact: ''}]}",
+        "{namespaces: [{prefix: ''}]}",
+        "{namespaces: [{suffix: ''}]}",
+    ] {
+        assert_eq!(check(&allow(&one(m)), &[], "-", FROM, TO), "allow", "{m}");
+    }
+    assert_eq!(check(&allow(&one("{namespaces: [presence]}")), &[], "-", FROM, TO), "no-allow");
+    assert_eq!(
+        check(&deny(&one("{not_namespaces: [{exact: ''}]}")), &[], "-", FROM, TO),
+        "allow",
+        "the empty namespace is excluded by not_namespaces ''"
+    );
+    // ztunnel compares principals after stripping spiffe:// from the peer's id: a peer without
+    // one matches no principal entry, not even an empty one.
+    assert_eq!(check(&allow(&one("{principals: [{exact: ''}]}")), &[], "-", FROM, TO), "no-allow");
+    assert_eq!(check(&allow(&one("{principals: [{prefix: ''}]}")), &[], "-", FROM, TO), "no-allow");
+}
+
+#[test]
+fn namespace_policies_are_consulted_before_global_ones() {
+    let p = "[{name: g, namespace: istio-system, scope: GLOBAL, action: DENY, rules: [{}]}, \
+             {name: z, namespace: demo, scope: NAMESPACE, action: DENY, rules: [{}]}]";
+    assert_eq!(check(p, &[], CLIENT, FROM, TO), "deny demo/z", "the DENY ztunnel names");
+}
+
+fn peer(src: &str) -> (Identity, String) {
+    let id: Identity = src.parse().unwrap();
+    let p = principal_of(&id);
+    (id, p)
+}
+
+fn conn<'a>(id: &'a Identity, principal: &'a str, src_ip: &str) -> Conn<'a> {
+    Conn {
+        src: Some(id),
+        principal: Some(principal),
+        src_ip: src_ip.parse().unwrap(),
+        dst_ip: "10.0.0.9".parse().unwrap(),
+        dst_port: 8080,
+    }
+}
+
+/// What `f` logs, at debug and above.
+fn logs(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Buf(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let w = buf.clone();
+    let sub = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || w.clone())
+        .finish();
+    tracing::subscriber::with_default(sub, f);
+    let out = buf.0.lock().unwrap().clone();
+    String::from_utf8(out).unwrap()
+}
+
+#[test]
+fn decisions_log_as_ztunnel_does() {
+    let (id, pr) = peer(CLIENT);
+    let c = conn(&id, &pr, FROM);
+    let none = store("[]");
+    let l = logs(|| assert!(decide(&none, &dst(&[]), &c, None).allowed()));
+    assert!(l.contains("no allow policies, allow"), "{l}");
+    let two = store(&format!(
+        "[{{name: a1, namespace: demo, scope: NAMESPACE, action: ALLOW, rules: {}}}, \
+          {{name: a2, namespace: demo, scope: NAMESPACE, action: ALLOW, rules: [{{}}]}}]",
+        one("{destination_ports: [1]}")
+    ));
+    let l = logs(|| assert!(decide(&two, &dst(&[]), &c, None).allowed()));
+    assert!(l.contains("allow policy match") && l.contains("policy=demo/a2"), "{l}");
+    assert!(!l.contains("demo/a1"), "{l}");
+    let miss = store(&allow(&one("{destination_ports: [1]}")));
+    let mut d = None;
+    let l = logs(|| d = Some(decide(&miss, &dst(&[]), &c, None)));
+    assert!(l.contains("no allow policies matched"), "{l}");
+    assert_eq!(d.unwrap().reason(), "allow policies exist, but none allowed");
+    let denied = store(&deny("[{}]"));
+    let l = logs(|| assert!(!decide(&denied, &dst(&[]), &c, None).allowed()));
+    assert!(l.contains("deny policy match") && l.contains("policy=demo/d"), "{l}");
+}
+
+#[test]
+fn explaining_a_decision_writes_no_match_lines() {
+    let s = store(
+        "[{name: g, namespace: demo, scope: NAMESPACE, action: DENY, dry_run: true, rules: [{}]}]",
+    );
+    let (id, pr) = peer(CLIENT);
+    let c = conn(&id, &pr, FROM);
+    let l = logs(|| {
+        decide(&s, &dst(&[]), &c, None);
+    });
+    assert!(l.contains("dry-run: deny policy match"), "a connection logs its dry-run match: {l}");
+    let mut e = Vec::new();
+    let l = logs(|| {
+        decide(&s, &dst(&[]), &c, Some(&mut e));
+    });
+    assert!(l.is_empty(), "an explanation is not a connection: {l}");
+    assert!(e[0].matched && e[0].dry_run);
+}
+
+#[test]
+fn explaining_an_mtls_source_uses_its_address() {
+    let s = store(&allow(&one("{source_ips: [10.1.0.0/16]}")));
+    let w =
+        "{uid: d, name: echo, namespace: demo, service_account: echo, ips: [10.0.0.9], node: n}";
+    s.apply(Delta {
+        upserts: vec![Resource::Workload(serde_yaml::from_str(w).unwrap())],
+        removes: vec![],
+    });
+    let v = explain(&s, Some(CLIENT), Some(FROM), Some(TO)).unwrap();
+    assert_eq!((v["allowed"].as_bool(), v["source_ip"].as_str()), (Some(true), Some(FROM)), "{v}");
+    let v = explain(&s, Some(CLIENT), Some("10.2.0.1"), Some(TO)).unwrap();
+    assert_eq!(v["allowed"], false, "{v}");
+    let e = explain(&s, Some(CLIENT), None, Some(TO)).unwrap_err();
+    assert!(e.contains("src_ip"), "no address is assumed for a SPIFFE source: {e}");
+    let v = explain(&s, Some(FROM), None, Some(TO)).unwrap();
+    assert_eq!(
+        (v["allowed"].as_bool(), v["source_identity_verified"].as_bool()),
+        (Some(true), Some(false))
+    );
 }

@@ -86,6 +86,9 @@ async fn serve_hbone_pending<S: Stream>(
     let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let span = tracing::info_span!("inbound", id, src = %peer, dst = %reached);
     async move {
+        if !crate::authz::wait_synced(&ctx.state, &ctx.metrics, &ctx.peer_logs, "hbone").await {
+            return;
+        }
         let Some(local) = ctx.state.local_workload_by_ip(reached.ip()) else {
             ctx.metrics.refuse("no_local_workload");
             crate::log_limited!(ctx.peer_logs, ("hbone", "no_local_workload"), warn,
@@ -356,6 +359,11 @@ pub async fn handle_plaintext(
                     warn,
                     "refused: plaintext connection to the proxy's own listener would loop"
                 );
+                return None;
+            }
+            if !crate::authz::wait_synced(&ctx.state, &ctx.metrics, &ctx.peer_logs, "plaintext")
+                .await
+            {
                 return None;
             }
             let Some(dst_wl) = ctx.state.local_workload_by_ip(dst.ip()) else {

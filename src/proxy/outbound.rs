@@ -37,6 +37,9 @@ pub async fn handle(
     // copied whole when it is spawned, moved to a worker and completed.
     let ctx2 = ctx.clone();
     let ready = Box::pin(async move {
+        if !crate::authz::wait_synced(&ctx.state, &ctx.metrics, &ctx.peer_logs, "outbound").await {
+            return None;
+        }
         let upstream = match ctx.state.resolve(dst) {
             Ok(u) => u,
             Err(e) => {

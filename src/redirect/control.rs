@@ -78,8 +78,15 @@ impl Admin {
     }
 
     /// `GET /authz/check`: the authorization decision for a hypothetical connection.
-    pub fn check_policy(&self, src: &str, dst: &str) -> anyhow::Result<String> {
-        self.call("GET", &format!("/authz/check?src={}&dst={}", esc(src), esc(dst)))
+    /// `src_ip`: the source's address (required with a SPIFFE `src`).
+    pub fn check_policy(
+        &self,
+        src: &str,
+        src_ip: Option<IpAddr>,
+        dst: &str,
+    ) -> anyhow::Result<String> {
+        let ip = src_ip.map(|a| format!("&src_ip={}", esc(&a.to_string()))).unwrap_or_default();
+        self.call("GET", &format!("/authz/check?src={}{ip}&dst={}", esc(src), esc(dst)))
     }
 }
 

@@ -11,8 +11,9 @@ pub mod workload;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use tokio::sync::watch;
 
@@ -35,6 +36,30 @@ pub struct Upstream {
     /// The service the destination was addressed through, if any.
     pub service: Option<Arc<Service>>,
 }
+
+/// A connection arrived before the mesh state's first complete sync and the bound passed.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[error(
+    "no first complete response from the control plane within {waited:?} (missing: {missing}): \
+     nothing is decided against a partial mesh state; check the xDS stream \
+     (mbtunnel_xds_connection_state, /config_dump \"xds\"), or raise xds_sync_timeout_ms"
+)]
+pub struct NotSynced {
+    pub waited: Duration,
+    /// The families not received yet: `Address`, `Authorization` or both.
+    pub missing: &'static str,
+}
+
+impl NotSynced {
+    /// The refusal metric's reason.
+    pub fn reason(&self) -> &'static str {
+        "xds_not_synced"
+    }
+}
+
+const SYNCED_ADDRESS: u8 = 1;
+const SYNCED_POLICY: u8 = 2;
+const SYNCED_ALL: u8 = SYNCED_ADDRESS | SYNCED_POLICY;
 
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum LookupError {
@@ -89,6 +114,10 @@ pub struct StoreConfig {
     pub node_hbone: HashMap<String, SocketAddr>,
     /// In-pod mode: the workloads served here are the pods the CNI enrolled (by uid).
     pub inpod: bool,
+    /// Set when the state comes from xDS: until the first complete response of both families
+    /// has been applied ([`Store::mark_synced`]), a new connection waits at most this long
+    /// ([`Store::wait_synced`]). Unset (local file): synced from the start.
+    pub sync_timeout: Option<Duration>,
 }
 
 #[derive(Default, Debug)]
@@ -105,11 +134,15 @@ struct Index {
     /// workload is found without scanning every policy.
     global: BTreeMap<String, Arc<Authorization>>,
     by_ns: HashMap<String, BTreeMap<String, Arc<Authorization>>>,
+    /// Held policies and workloads that are fail-closed stand-ins (`fail_closed` set).
+    failed_policies: usize,
+    failed_workloads: usize,
 }
 
 impl Index {
     fn remove_workload(&mut self, uid: &str) -> bool {
         let Some(old) = self.workloads.remove(uid) else { return false };
+        self.failed_workloads -= old.fail_closed.is_some() as usize;
         for ip in &old.ips {
             if self.by_ip.get(ip).is_some_and(|w| w.uid == uid) {
                 self.by_ip.remove(ip);
@@ -128,6 +161,7 @@ impl Index {
 
     fn insert_workload(&mut self, w: Workload) {
         self.remove_workload(&w.uid);
+        self.failed_workloads += w.fail_closed.is_some() as usize;
         let w = Arc::new(w);
         for ip in &w.ips {
             if let Some(prev) = self.by_ip.insert(*ip, w.clone()) {
@@ -148,6 +182,7 @@ impl Index {
 
     fn remove_policy(&mut self, key: &str) {
         if let Some(old) = self.policies.remove(key) {
+            self.failed_policies -= old.fail_closed.is_some() as usize;
             self.global.remove(key);
             if let Some(m) = self.by_ns.get_mut(&old.namespace) {
                 m.remove(key);
@@ -161,6 +196,7 @@ impl Index {
     fn insert_policy(&mut self, p: Authorization) {
         let key = p.key();
         self.remove_policy(&key);
+        self.failed_policies += p.fail_closed.is_some() as usize;
         let p = Arc::new(p);
         match p.scope {
             policy::Scope::Global => {
@@ -217,13 +253,20 @@ pub struct Store {
     rr: AtomicUsize,
     enrolled: RwLock<HashSet<String>>,
     warned: std::sync::Mutex<HashSet<String>>,
+    /// Families whose first complete response has been applied (`SYNCED_*` bits), and the
+    /// same as one flag for the per-connection fast path.
+    synced_families: watch::Sender<u8>,
+    synced: AtomicBool,
 }
 
 pub type State = Store;
 
 impl Store {
     pub fn new(cfg: StoreConfig) -> Store {
+        let synced = cfg.sync_timeout.is_none();
         Store {
+            synced_families: watch::channel(if synced { SYNCED_ALL } else { 0 }).0,
+            synced: AtomicBool::new(synced),
             cfg,
             index: RwLock::new(Index::default()),
             version: watch::channel(0).0,
@@ -266,6 +309,52 @@ impl Store {
         self.version.send_modify(|v| *v += 1);
     }
 
+    /// Records that the first complete response of `family` has been applied; once both
+    /// families have, waiting connections go on and new ones no longer wait.
+    pub fn mark_synced(&self, family: Family) {
+        let bit = match family {
+            Family::Address => SYNCED_ADDRESS,
+            Family::Policy => SYNCED_POLICY,
+        };
+        self.synced_families.send_if_modified(|b| {
+            let before = *b;
+            *b |= bit;
+            if *b == SYNCED_ALL {
+                self.synced.store(true, Ordering::Release);
+            }
+            *b != before
+        });
+    }
+
+    /// Whether the first complete sync has happened (always, for the local file).
+    pub fn is_synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+
+    /// Waits until the mesh state has had its first complete sync (xDS: a response of each
+    /// family applied), at most the configured bound; at once when it has. A connection is
+    /// never decided against the empty or partial state of a proxy that just started.
+    pub async fn wait_synced(&self) -> Result<(), NotSynced> {
+        if self.is_synced() {
+            return Ok(());
+        }
+        let waited = self.cfg.sync_timeout.unwrap_or_default();
+        let mut rx = self.synced_families.subscribe();
+        let done = tokio::time::timeout(waited, rx.wait_for(|b| *b == SYNCED_ALL))
+            .await
+            .is_ok_and(|r| r.is_ok());
+        if done {
+            return Ok(());
+        }
+        let missing = match *rx.borrow() & SYNCED_ALL {
+            SYNCED_ALL => return Ok(()),
+            SYNCED_ADDRESS => "Authorization",
+            SYNCED_POLICY => "Address",
+            _ => "Address and Authorization",
+        };
+        Err(NotSynced { waited, missing })
+    }
+
     /// A receiver whose value moves on every applied change.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.version.subscribe()
@@ -278,6 +367,13 @@ impl Store {
             services: ix.services.len(),
             policies: ix.policies.len(),
         }
+    }
+
+    /// Held (policies, workloads) that are enforced fail-closed: stand-ins for refused or
+    /// half-understood xDS versions (see `fail_closed` on each).
+    pub fn failed_closed(&self) -> (usize, usize) {
+        let ix = self.index.read().unwrap();
+        (ix.failed_policies, ix.failed_workloads)
     }
 
     /// Names held now, per family (what a reconnecting xDS client or a file reload compares).
@@ -317,24 +413,26 @@ impl Store {
         v
     }
 
-    /// Calls `f` with every policy that applies to `w`: GLOBAL ones, its namespace's NAMESPACE
-    /// ones and the WORKLOAD_SELECTOR ones it names (a name the store does not hold is skipped
-    /// with a warning, once per name). Holds the read lock; allocates nothing.
+    /// Calls `f` with every policy that applies to `w`, in ztunnel's order: its namespace's
+    /// NAMESPACE ones, the GLOBAL ones, then every policy it lists by name whatever its scope
+    /// (one already given through its scope is not given twice; a name the store does not hold
+    /// is skipped with a warning, once per name). Holds the read lock; allocates nothing.
     pub fn for_each_policy_of(&self, w: &Workload, mut f: impl FnMut(&Arc<Authorization>)) {
         let ix = self.index.read().unwrap();
-        for p in ix.global.values() {
-            f(p);
-        }
         if let Some(m) = ix.by_ns.get(&w.namespace) {
             for p in m.values() {
                 f(p);
             }
         }
+        for p in ix.global.values() {
+            f(p);
+        }
         for name in &w.authorization_policies {
             match ix.policies.get(name) {
-                Some(p) if p.scope == policy::Scope::WorkloadSelector => f(p),
-                // Already counted through its scope.
-                Some(_) => {}
+                // Already given through its scope.
+                Some(p) if p.scope == policy::Scope::Global => {}
+                Some(p) if p.scope == policy::Scope::Namespace && p.namespace == w.namespace => {}
+                Some(p) => f(p),
                 None => {
                     let mut warned = self.warned.lock().unwrap();
                     if warned.insert(name.clone()) {
@@ -528,6 +626,7 @@ mod tests {
             hbone_port: 15008,
             node_hbone: [("b".to_string(), "127.0.0.3:25008".parse().unwrap())].into(),
             inpod: false,
+            sync_timeout: None,
         });
         let svc: Service = serde_yaml::from_str(
             "{name: echo, vips: [10.96.0.1], ports: [{port: 80, target_port: 8080}], workloads: [s1, s2]}",
@@ -604,6 +703,40 @@ mod tests {
             .contains(&"spiffe://cluster.local/ns/default/sa/x".parse().unwrap()));
     }
 
+    #[tokio::test]
+    async fn connections_wait_for_both_families_then_are_refused_or_go_on() {
+        let s = Arc::new(Store::new(StoreConfig {
+            trust_domain: "cluster.local".into(),
+            node_name: "a".into(),
+            hbone_port: 15008,
+            node_hbone: HashMap::new(),
+            inpod: false,
+            sync_timeout: Some(Duration::from_millis(20)),
+        }));
+        assert!(!s.is_synced());
+        let e = s.wait_synced().await.unwrap_err();
+        assert_eq!((e.missing, e.reason()), ("Address and Authorization", "xds_not_synced"));
+        s.mark_synced(Family::Address);
+        assert_eq!(s.wait_synced().await.unwrap_err().missing, "Authorization");
+        // A waiter goes on once the second family arrives.
+        let s2 = Store::new(StoreConfig {
+            sync_timeout: Some(Duration::from_secs(60)),
+            ..s.cfg.clone()
+        });
+        let s2 = Arc::new(s2);
+        s2.mark_synced(Family::Policy);
+        let w = tokio::spawn({
+            let s2 = s2.clone();
+            async move { s2.wait_synced().await }
+        });
+        tokio::task::yield_now().await;
+        s2.mark_synced(Family::Address);
+        assert_eq!(w.await.unwrap(), Ok(()));
+        assert!(s2.is_synced());
+        // The local file: synced from the start.
+        assert!(store().is_synced());
+    }
+
     #[test]
     fn inpod_serves_enrolled_pods_only() {
         let s = Store::new(StoreConfig {
@@ -612,6 +745,7 @@ mod tests {
             hbone_port: 15008,
             node_hbone: HashMap::new(),
             inpod: true,
+            sync_timeout: None,
         });
         s.apply(Delta {
             upserts: vec![Resource::Workload(wl("c", "client", "default", "10.0.1.2", "a"))],

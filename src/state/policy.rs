@@ -185,6 +185,11 @@ pub struct Authorization {
     pub rules: Vec<Rule>,
     #[serde(default)]
     pub dry_run: bool,
+    /// Set when this is not the policy as written but a fail-closed stand-in (why): its xDS
+    /// version was refused, or it carries fields this proxy does not know. A DENY stand-in
+    /// matches every connection, an ALLOW one none. Never read from the local file.
+    #[serde(default, skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub fail_closed: Option<String>,
 }
 
 impl Authorization {

@@ -64,6 +64,11 @@ pub struct Workload {
     /// in the local file the services list their workloads instead).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub services: BTreeMap<String, Vec<PortMapping>>,
+    /// Set (why) when this is a held version kept after its newer xDS version was refused:
+    /// the policies it lists may have changed, so every connection to it is denied until a
+    /// good version arrives. Never read from the local file.
+    #[serde(default, skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub fail_closed: Option<String>,
 }
 
 pub(crate) fn default_namespace() -> String {

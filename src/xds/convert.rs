@@ -97,6 +97,7 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
         cluster_id: w.cluster_id,
         authorization_policies: w.authorization_policies,
         services,
+        fail_closed: None,
     })
 }
 
@@ -209,6 +210,7 @@ pub fn authorization(bytes: &[u8]) -> Result<Resource, String> {
             action,
             rules,
             dry_run: a.dry_run,
+            fail_closed: Some("carries fields this proxy does not support".into()),
         }));
     }
     let rules = a
@@ -239,7 +241,60 @@ pub fn authorization(bytes: &[u8]) -> Result<Resource, String> {
         action,
         rules,
         dry_run: a.dry_run,
+        fail_closed: None,
     }))
+}
+
+/// The stand-in for an `istio.security.Authorization` resource named `name` that was refused
+/// (`why`), enforced until a good version arrives: a DENY that matches every connection or an
+/// ALLOW that matches none, with whatever of the payload can still be read. What cannot be read
+/// is taken from the version held (`held`), else the choice that cannot widen access: an
+/// unreadable action is DENY, an unreadable scope GLOBAL (the policy might have been global, so
+/// any narrower scope could leave workloads it covers unprotected). Workloads that list the
+/// policy by name get it whatever its scope.
+pub fn authorization_fail_closed(
+    name: &str,
+    payload: Option<&[u8]>,
+    held: Option<&Authorization>,
+    why: &str,
+) -> Authorization {
+    let a = payload.and_then(|b| pb_sec::Authorization::decode(b).ok());
+    let (key_ns, key_name) = name.split_once('/').unwrap_or(("", name));
+    let pick = |from_payload: Option<&String>, from_key: &str, from_held: Option<&String>| {
+        from_payload
+            .filter(|s| !s.is_empty())
+            .map(String::as_str)
+            .or(Some(from_key).filter(|s| !s.is_empty()))
+            .or(from_held.map(String::as_str))
+            .unwrap_or_default()
+            .to_string()
+    };
+    let namespace = pick(a.as_ref().map(|a| &a.namespace), key_ns, held.map(|h| &h.namespace));
+    let pname = pick(a.as_ref().map(|a| &a.name), key_name, held.map(|h| &h.name));
+    let scope = match a.as_ref().map(|a| pb_sec::Scope::try_from(a.scope)) {
+        Some(Ok(pb_sec::Scope::Global)) => Scope::Global,
+        Some(Ok(pb_sec::Scope::Namespace)) if !namespace.is_empty() => Scope::Namespace,
+        Some(Ok(pb_sec::Scope::WorkloadSelector)) => Scope::WorkloadSelector,
+        _ => held.map(|h| h.scope).unwrap_or(Scope::Global),
+    };
+    let action = match a.as_ref().map(|a| pb_sec::Action::try_from(a.action)) {
+        Some(Ok(pb_sec::Action::Allow)) => Action::Allow,
+        Some(Ok(pb_sec::Action::Deny)) => Action::Deny,
+        _ => Action::Deny,
+    };
+    let rules = match action {
+        Action::Allow => vec![],
+        Action::Deny => vec![Rule::default()],
+    };
+    Authorization {
+        name: pname,
+        namespace,
+        scope,
+        action,
+        rules,
+        dry_run: a.as_ref().map(|a| a.dry_run).or(held.map(|h| h.dry_run)).unwrap_or(false),
+        fail_closed: Some(format!("refused: {why}")),
+    }
 }
 
 #[cfg(test)]
@@ -331,6 +386,66 @@ mod tests {
             let Resource::Policy(got) = authorization(&b).unwrap() else { panic!() };
             assert_eq!(got.rules.len(), want_rules, "{action:?}");
             assert!(got.rules.iter().all(|r| r.clauses.is_empty()), "{got:?}");
+            assert!(got.fail_closed.is_some());
         }
+    }
+
+    fn pol(scope: pb_sec::Scope, action: i32) -> pb_sec::Authorization {
+        pb_sec::Authorization {
+            name: "p".into(),
+            namespace: "n".into(),
+            scope: scope as i32,
+            action,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_refused_policy_stands_in_fail_closed() {
+        use pb_sec::Scope as S;
+        let deny = pb_sec::Action::Deny as i32;
+        let allow = pb_sec::Action::Allow as i32;
+        // What the payload says is kept; the rules fail closed.
+        let d = authorization_fail_closed(
+            "n/p",
+            Some(&pol(S::Namespace, deny).encode_to_vec()),
+            None,
+            "x",
+        );
+        assert_eq!((d.key().as_str(), d.scope, d.action), ("n/p", Scope::Namespace, Action::Deny));
+        assert_eq!(d.rules, vec![Rule::default()], "a DENY matches everything");
+        assert_eq!(d.fail_closed.as_deref(), Some("refused: x"));
+        let a = authorization_fail_closed(
+            "n/p",
+            Some(&pol(S::WorkloadSelector, allow).encode_to_vec()),
+            None,
+            "x",
+        );
+        assert_eq!((a.scope, a.action, a.rules.len()), (Scope::WorkloadSelector, Action::Allow, 0));
+        // An unknown action: DENY. An unknown scope: the held version's, else GLOBAL.
+        let u = authorization_fail_closed(
+            "n/p",
+            Some(&pol(S::Namespace, 7).encode_to_vec()),
+            None,
+            "x",
+        );
+        assert_eq!((u.scope, u.action), (Scope::Namespace, Action::Deny));
+        let mut bad_scope = pol(S::Namespace, allow);
+        bad_scope.scope = 9;
+        let g = authorization_fail_closed("n/p", Some(&bad_scope.encode_to_vec()), None, "x");
+        assert_eq!((g.scope, g.action), (Scope::Global, Action::Allow));
+        let Resource::Policy(held) =
+            authorization(&pol(S::WorkloadSelector, deny).encode_to_vec()).unwrap()
+        else {
+            panic!()
+        };
+        let h =
+            authorization_fail_closed("n/p", Some(&bad_scope.encode_to_vec()), Some(&held), "x");
+        assert_eq!(h.scope, Scope::WorkloadSelector);
+        // Nothing readable: the name from the key, GLOBAL DENY.
+        let m = authorization_fail_closed("n/p", Some(b"\xff\xff\xff"), None, "x");
+        assert_eq!((m.key().as_str(), m.scope, m.action), ("n/p", Scope::Global, Action::Deny));
+        let m = authorization_fail_closed("n/p", None, Some(&held), "x");
+        assert_eq!((m.scope, m.action), (Scope::WorkloadSelector, Action::Deny));
     }
 }

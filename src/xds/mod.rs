@@ -91,6 +91,10 @@ pub struct XdsMetrics {
     pub messages: Family<MessageLabels, Counter>,
     pub resources: Family<ResourceLabels, Gauge>,
     pub reconnects: Counter,
+    /// Policies held as fail-closed stand-ins (refused, or with fields unknown here).
+    pub policies_failed_closed: Gauge,
+    /// Workloads held at an older version, denied to all, because their newest was refused.
+    pub workloads_failed_closed: Gauge,
 }
 
 impl XdsMetrics {
@@ -109,6 +113,19 @@ impl XdsMetrics {
         );
         r.register("resources", "Resources held from xDS, by type", m.resources.clone());
         r.register("reconnects", "xDS streams opened after the first", m.reconnects.clone());
+        r.register(
+            "policies_failed_closed",
+            "Authorization policies enforced fail-closed (a DENY denies its whole scope, an ALLOW \
+             allows nothing) because their xDS version was refused or carries fields this proxy \
+             does not know; 0 when every policy is enforced as written",
+            m.policies_failed_closed.clone(),
+        );
+        r.register(
+            "workloads_failed_closed",
+            "Workloads whose newest xDS version was refused: the older version is kept and every \
+             connection to them is denied until a good version arrives",
+            m.workloads_failed_closed.clone(),
+        );
         m
     }
 }
@@ -321,7 +338,12 @@ impl Client {
                     delta.upserts.push(res);
                 }
                 Err(e) => {
-                    tracing::warn!(type_url = %type_url, resource = %r.name, error = %e, "xDS: resource refused");
+                    if let Some(stand_in) = self.fail_closed(family, &r, &e) {
+                        delta.upserts.push(stand_in);
+                    } else {
+                        tracing::warn!(type_url = %type_url, resource = %r.name, error = %e,
+                            "xDS: resource refused (NACKed); the version held before, if any, stays in use");
+                    }
                     refused.push(r.name.clone());
                     errors.push(format!("{}: {e}", r.name));
                 }
@@ -330,12 +352,11 @@ impl Client {
         for name in &resp.removed_resources {
             delta.removes.push((family, name.clone()));
         }
-        // A refused resource must not stay half-applied under its old content either: drop it.
-        for name in &refused {
-            delta.removes.push((family, name.clone()));
-        }
         let (n_up, n_rm) = (delta.upserts.len(), delta.removes.len());
         self.store.apply(delta);
+        // A response of a wildcard subscription holds the whole family: connections waiting
+        // for the first sync go on once both families have one.
+        self.store.mark_synced(family);
         let nack = !errors.is_empty();
         {
             let mut st = self.status.lock().unwrap();
@@ -365,6 +386,9 @@ impl Client {
                 tracing::info!("xDS: first response of each type applied");
             }
         }
+        let (failed_policies, failed_workloads) = self.store.failed_closed();
+        self.metrics.policies_failed_closed.set(failed_policies as i64);
+        self.metrics.workloads_failed_closed.set(failed_workloads as i64);
         let counts = self.store.counts();
         for (t, n) in [
             ("workload", counts.workloads),
@@ -396,6 +420,45 @@ impl Client {
     }
 }
 
+impl Client {
+    /// What stands for refused resource `r` (`why`) until a good version arrives, so that a
+    /// refusal never widens access (docs/DESIGN.md, "Refused xDS resources"): an Authorization
+    /// becomes a DENY matching everything or an ALLOW matching nothing, in the scope as far as
+    /// it can be read; a Workload whose older version is held keeps it, marked so that every
+    /// connection to it is denied (the policies it lists may have changed). `None`: nothing is
+    /// held for it (a new Workload, or a Service, whose held version stays as it is).
+    fn fail_closed(
+        &self,
+        family: StateFamily,
+        r: &crate::proto::discovery::Resource,
+        why: &str,
+    ) -> Option<crate::state::Resource> {
+        match family {
+            StateFamily::Policy => {
+                let held = self.store.policy(&r.name);
+                let p = convert::authorization_fail_closed(
+                    &r.name,
+                    r.resource.as_ref().map(|a| &a.value[..]),
+                    held.as_deref(),
+                    why,
+                );
+                tracing::warn!(resource = %r.name, error = %why, policy = %p.key(), scope = ?p.scope,
+                    action = ?p.action, "xDS: authorization policy refused (NACKed); enforced fail-closed until \
+                    a good version arrives: a DENY denies every connection in its scope, an ALLOW allows nothing");
+                Some(crate::state::Resource::Policy(p))
+            }
+            StateFamily::Address => {
+                let mut w = (*self.store.workload_by_uid(&r.name)?).clone();
+                tracing::warn!(resource = %r.name, error = %why, "xDS: new version of a workload refused \
+                    (NACKed); its held version is kept and every connection to it is denied until a good \
+                    version arrives (the policies it lists may have changed)");
+                w.fail_closed = Some(format!("its newest xDS version was refused: {why}"));
+                Some(crate::state::Resource::Workload(w))
+            }
+        }
+    }
+}
+
 fn status_text(s: &tonic::Status) -> String {
     match s.code() {
         tonic::Code::Unauthenticated => format!(
@@ -403,5 +466,178 @@ fn status_text(s: &tonic::Status) -> String {
             s.message()
         ),
         c => format!("{c:?}: {}", s.message()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proto::discovery::Resource as XdsResource;
+    use crate::proto::{security as pb_sec, workload as pb};
+    use crate::state::StoreConfig;
+    use prost::Message;
+
+    fn client() -> Client {
+        let store = Arc::new(Store::new(StoreConfig {
+            trust_domain: "cluster.local".into(),
+            node_name: "n".into(),
+            hbone_port: 15008,
+            node_hbone: HashMap::new(),
+            inpod: false,
+            sync_timeout: None,
+        }));
+        let ep = Endpoints {
+            address: "https://cp.invalid:15012".into(),
+            roots_pem: vec![],
+            token: crate::grpc::TokenSource::None,
+            cluster_id: "Kubernetes".into(),
+            headers: BTreeMap::new(),
+        };
+        Client::new(ep, NodeInfo::default(), store, XdsMetrics::default())
+    }
+
+    fn res(type_url: &str, name: &str, value: Vec<u8>) -> XdsResource {
+        XdsResource {
+            name: name.into(),
+            version: "1".into(),
+            resource: Some(prost_types::Any { type_url: type_url.into(), value }),
+            aliases: vec![],
+        }
+    }
+
+    fn push(c: &Client, type_url: &str, r: XdsResource) -> DeltaDiscoveryRequest {
+        c.handle(DeltaDiscoveryResponse {
+            type_url: type_url.into(),
+            nonce: "n".into(),
+            resources: vec![r],
+            ..Default::default()
+        })
+    }
+
+    /// A NAMESPACE policy of `demo`: `principal` exact, or with `bad_cidr` a source block of
+    /// /33 (refused).
+    fn policy(name: &str, action: pb_sec::Action, principal: &str, bad_cidr: bool) -> Vec<u8> {
+        let m = pb_sec::Match {
+            principals: vec![pb_sec::StringMatch {
+                match_type: Some(pb_sec::string_match::MatchType::Exact(principal.into())),
+            }],
+            source_ips: if bad_cidr {
+                vec![pb_sec::Address { address: vec![10, 0, 0, 0], length: 33 }]
+            } else {
+                vec![]
+            },
+            ..Default::default()
+        };
+        pb_sec::Authorization {
+            name: name.into(),
+            namespace: "demo".into(),
+            scope: pb_sec::Scope::Namespace as i32,
+            action: action as i32,
+            rules: vec![pb_sec::Rule { clauses: vec![pb_sec::Clause { matches: vec![m] }] }],
+            dry_run: false,
+        }
+        .encode_to_vec()
+    }
+
+    fn workload(tunnel_protocol: i32) -> Vec<u8> {
+        let w = pb::Workload {
+            uid: "d".into(),
+            name: "echo".into(),
+            namespace: "demo".into(),
+            addresses: vec![vec![10, 0, 0, 9]],
+            tunnel_protocol,
+            node: "n".into(),
+            ..Default::default()
+        };
+        pb::Address { r#type: Some(pb::address::Type::Workload(w)) }.encode_to_vec()
+    }
+
+    /// The decision for a connection from `sa` (namespace demo) to workload `d`.
+    fn decide_from(c: &Client, sa: &str) -> crate::authz::Decision {
+        let id: crate::identity::Identity =
+            format!("spiffe://cluster.local/ns/demo/sa/{sa}").parse().unwrap();
+        let p = crate::authz::principal_of(&id);
+        let conn = crate::authz::Conn {
+            src: Some(&id),
+            principal: Some(&p),
+            src_ip: "10.1.0.1".parse().unwrap(),
+            dst_ip: "10.0.0.9".parse().unwrap(),
+            dst_port: 80,
+        };
+        crate::authz::decide(&c.store, &c.store.workload_by_uid("d").unwrap(), &conn, None)
+    }
+
+    #[test]
+    fn a_refused_new_version_of_a_deny_still_denies_its_whole_scope() {
+        let c = client();
+        push(&c, ADDRESS_TYPE, res(ADDRESS_TYPE, "d", workload(1)));
+        let deny = |bad| policy("d", pb_sec::Action::Deny, "cluster.local/ns/demo/sa/bad", bad);
+        push(&c, AUTHORIZATION_TYPE, res(AUTHORIZATION_TYPE, "demo/d", deny(false)));
+        assert!(!decide_from(&c, "bad").allowed());
+        assert!(decide_from(&c, "good").allowed());
+        // A new version the proxy refuses: NACKed, not announced on reconnect, and enforced
+        // as a DENY of everything in namespace demo.
+        let ack = push(&c, AUTHORIZATION_TYPE, res(AUTHORIZATION_TYPE, "demo/d", deny(true)));
+        assert!(ack.error_detail.unwrap().message.contains("demo/d:"));
+        assert!(!c.status().types[AUTHORIZATION_TYPE].versions.contains_key("demo/d"));
+        assert!(!decide_from(&c, "bad").allowed());
+        assert!(!decide_from(&c, "good").allowed(), "the refused DENY must deny its whole scope");
+        assert_eq!(c.metrics.policies_failed_closed.get(), 1);
+        // A good version replaces the stand-in.
+        push(&c, AUTHORIZATION_TYPE, res(AUTHORIZATION_TYPE, "demo/d", deny(false)));
+        assert!(decide_from(&c, "good").allowed());
+        assert_eq!(c.metrics.policies_failed_closed.get(), 0);
+    }
+
+    #[test]
+    fn a_refused_only_allow_allows_nothing() {
+        let c = client();
+        push(&c, ADDRESS_TYPE, res(ADDRESS_TYPE, "d", workload(1)));
+        let allow = policy("a", pb_sec::Action::Allow, "cluster.local/ns/demo/sa/good", true);
+        let ack = push(&c, AUTHORIZATION_TYPE, res(AUTHORIZATION_TYPE, "demo/a", allow));
+        assert!(ack.error_detail.is_some());
+        assert!(
+            matches!(decide_from(&c, "good"), crate::authz::Decision::NoAllowMatched),
+            "a refused ALLOW exists and matches nothing"
+        );
+        assert_eq!(c.metrics.policies_failed_closed.get(), 1);
+        // Its removal removes the stand-in.
+        c.handle(DeltaDiscoveryResponse {
+            type_url: AUTHORIZATION_TYPE.into(),
+            removed_resources: vec!["demo/a".into()],
+            ..Default::default()
+        });
+        assert!(decide_from(&c, "good").allowed());
+        assert_eq!(c.metrics.policies_failed_closed.get(), 0);
+    }
+
+    #[test]
+    fn a_refused_new_version_of_a_workload_keeps_the_old_one_denied_to_all() {
+        let c = client();
+        push(&c, ADDRESS_TYPE, res(ADDRESS_TYPE, "d", workload(1)));
+        assert!(decide_from(&c, "good").allowed());
+        let nack = push(&c, ADDRESS_TYPE, res(ADDRESS_TYPE, "d", workload(7)));
+        assert!(nack.error_detail.unwrap().message.contains("tunnel_protocol 7"));
+        let w = c.store.workload_by_uid("d").expect("the held version is kept");
+        assert_eq!(w.ips, vec!["10.0.0.9".parse::<std::net::IpAddr>().unwrap()]);
+        assert!(matches!(
+            decide_from(&c, "good"),
+            crate::authz::Decision::DestinationFailedClosed(_)
+        ));
+        assert_eq!(c.metrics.workloads_failed_closed.get(), 1);
+        // A refused workload never held before is not added.
+        let mut other = workload(7);
+        other = {
+            let mut a = pb::Address::decode(&other[..]).unwrap();
+            if let Some(pb::address::Type::Workload(w)) = &mut a.r#type {
+                w.uid = "new".into();
+            }
+            a.encode_to_vec()
+        };
+        push(&c, ADDRESS_TYPE, res(ADDRESS_TYPE, "new", other));
+        assert!(c.store.workload_by_uid("new").is_none());
+        push(&c, ADDRESS_TYPE, res(ADDRESS_TYPE, "d", workload(1)));
+        assert!(decide_from(&c, "good").allowed());
+        assert_eq!(c.metrics.workloads_failed_closed.get(), 0);
     }
 }
