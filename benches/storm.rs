@@ -13,10 +13,15 @@
 //!    `IP_BIND_ADDRESS_NO_PORT` (ours), with a plain `bind(ip, 0)` (before), and without a source
 //!    address (the reference) — needs root (`IP_TRANSPARENT`).
 //!
+//! 5. handshake admission: fresh identities' connections to a node attacked by 300 and 5,000
+//!    half-sent ClientHellos from one source and 2,000 from 2,000 sources — success ratio and
+//!    p50/p99 against the same run without attackers; then 2,000 fresh identities from distinct
+//!    sources at once — failures, p50/p99 and peak RSS.
+//!
 //! `cargo bench --bench storm` (all), or name parts: `cargo bench --bench storm -- identity
-//! handshake flood dial`. Sizes: STORM_IDENTITIES (2000), STORM_HANDSHAKES (2000), STORM_BOUND
+//! handshake flood dial admission`. STORM_PROBES (200), STORM_FRESH (2000) size part 5. Sizes: STORM_IDENTITIES (2000), STORM_HANDSHAKES (2000), STORM_BOUND
 //! (the admission bound, default `max_concurrent_handshakes`), STORM_FLOOD
-//! (5000), STORM_DIAL_SECS (60). Loopback blocks 127.0.91.x – 127.0.94.x.
+//! (5000), STORM_DIAL_SECS (60). Loopback blocks 127.0.91.x – 127.0.96.x, 127.1.x.x, 127.2.x.x.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -412,6 +417,224 @@ fn flood_child(spec: &str) {
     std::thread::sleep(Duration::from_secs(3600));
 }
 
+/// Address of fresh identity `i` (127.1.x.y, one /24 per 250).
+fn fresh_ip(i: usize) -> IpAddr {
+    IpAddr::from([127, 1, (i / 250) as u8, (i % 250 + 1) as u8])
+}
+
+/// The peak resident set of this process (VmHWM), bytes.
+fn peak_rss_bytes() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The first 71 bytes of a ClientHello (a record announcing 512): the server must wait for more.
+fn half_client_hello() -> Vec<u8> {
+    let mut b = vec![0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03];
+    b.resize(71, 0x5a);
+    b
+}
+
+/// Fresh identities `ids`, each one connection through both proxies (a full handshake at the
+/// server), all at once or one after another: (succeeded, latencies in seconds).
+async fn fresh_connections(
+    ids: std::ops::Range<usize>,
+    vip: SocketAddr,
+    at_once: bool,
+) -> (usize, Vec<f64>) {
+    let one = move |i: usize| async move {
+        let t = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(30), async {
+            let s = tokio::net::TcpSocket::new_v4()?;
+            s.bind(SocketAddr::new(fresh_ip(i), 0))?;
+            let mut c = s.connect(vip).await?;
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            c.write_all(b"ping").await?;
+            let mut back = [0u8; 4];
+            c.read_exact(&mut back).await?;
+            Ok::<_, std::io::Error>(&back == b"ping")
+        })
+        .await;
+        (matches!(r, Ok(Ok(true))), t.elapsed().as_secs_f64())
+    };
+    let mut results = Vec::new();
+    if at_once {
+        let tasks: Vec<_> = ids.map(|i| tokio::spawn(one(i))).collect();
+        for t in tasks {
+            results.push(t.await.unwrap());
+        }
+    } else {
+        for i in ids {
+            results.push(one(i).await);
+        }
+    }
+    let ok = results.iter().filter(|r| r.0).count();
+    let mut lat: Vec<f64> = results.iter().map(|r| r.1).collect();
+    lat.sort_by(f64::total_cmp);
+    (ok, lat)
+}
+
+fn pct(sorted: &[f64], p: f64) -> f64 {
+    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// Half ClientHellos from `sources` addresses (127.2.x.y; 127.0.96.1 when one), `n` in all,
+/// held until dropped.
+async fn half_hellos(n: usize, sources: usize, hbone: SocketAddr) -> Vec<tokio::net::TcpStream> {
+    let mut held = Vec::with_capacity(n);
+    for i in 0..n {
+        let src = if sources == 1 {
+            IpAddr::from([127, 0, 96, 1])
+        } else {
+            let j = i % sources;
+            IpAddr::from([127, 2, (j / 250) as u8, (j % 250 + 1) as u8])
+        };
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind(SocketAddr::new(src, 0)).unwrap();
+        if let Ok(mut c) = s.connect(hbone).await {
+            use tokio::io::AsyncWriteExt;
+            let _ = c.write_all(&half_client_hello()).await;
+            held.push(c);
+        }
+    }
+    held
+}
+
+/// 5. Handshake admission (issue 30): fresh identities connecting to a node that unauthenticated
+/// peers attack with half-sent ClientHellos, against the same run without attackers; and a
+/// storm of fresh identities from distinct sources, all at once.
+async fn admission() {
+    let probes = env_usize("STORM_PROBES", 200);
+    let storm = env_usize("STORM_FRESH", 2000);
+    let net = 95u8;
+    let ca_dir = std::env::temp_dir().join(format!("mbt-storm-adm-{}", std::process::id()));
+    let clients = 4 * probes + storm;
+    let mut workloads = String::new();
+    for i in 0..clients {
+        workloads.push_str(&format!(
+            "  - {{uid: c-{i}, name: c-{i}, namespace: storm, service_account: sa-{i}, ips: [\"{}\"], node: node-a}}\n",
+            fresh_ip(i)
+        ));
+    }
+    let cfg = |node: &str, me: u8, out: String| {
+        let yaml = format!(
+            r#"
+node_name: {node}
+ca_dir: {ca}
+outbound_addr: "{out}"
+inbound_addr: "127.0.{net}.{me}:15008"
+inbound_plaintext_addr: "127.0.{net}.{me}:15006"
+metrics_addr: "127.0.{net}.{me}:15020"
+readiness_addr: "127.0.{net}.{me}:15021"
+admin_addr: "127.0.{net}.{me}:15000"
+workloads:
+{workloads}  - {{uid: echo-1, name: echo, namespace: demo, service_account: echo, ips: ["127.0.{net}.3"], node: node-b}}
+services:
+  - {{name: echo, namespace: demo, vips: ["127.0.{net}.50"], ports: [{{port: 8080}}], workloads: [echo-1]}}
+"#,
+            ca = ca_dir.display()
+        );
+        mbtunnel::config::Config::from_yaml(&yaml, std::path::Path::new("storm.yaml")).unwrap()
+    };
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit on a live, properly sized struct.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        r.rlim_cur = r.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+    }
+    let echo = tokio::net::TcpListener::bind(SocketAddr::new(IpAddr::from([127, 0, net, 3]), 8080))
+        .await
+        .unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = echo.accept().await else { return };
+            tokio::spawn(async move {
+                let (mut r, mut w) = s.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    let b =
+        mbtunnel::app::start(cfg("node-b", 3, format!("127.0.{net}.3:15001")), None).await.unwrap();
+    let a =
+        mbtunnel::app::start(cfg("node-a", 2, format!("127.0.{net}.50:8080")), None).await.unwrap();
+    assert!(
+        a.wait_ready(Duration::from_secs(30)).await && b.wait_ready(Duration::from_secs(30)).await
+    );
+    // Certificates first: issuance is not what this measures.
+    for i in 0..clients {
+        let id: Identity = format!("spiffe://cluster.local/ns/storm/sa/sa-{i}").parse().unwrap();
+        a.ctx.tls.prepare(&id).await.unwrap();
+    }
+    let vip = SocketAddr::new(IpAddr::from([127, 0, net, 50]), 8080);
+    let hbone = SocketAddr::new(IpAddr::from([127, 0, net, 3]), 15008);
+    println!(
+        "handshake admission: {probes} fresh identities one after another to the attacked node, \
+         ECDSA P-256, defaults ({}):",
+        cpu_model()
+    );
+    let row = |name: &str, ok: usize, n: usize, lat: &[f64], base: Option<f64>| {
+        let ratio = base
+            .map(|b| format!(", p99 {:.2}x the control's", pct(lat, 0.99) / b))
+            .unwrap_or_default();
+        println!(
+            "  {name}: {ok}/{n} succeeded ({:.1} %), p50 {:.1} ms, p99 {:.1} ms{ratio}",
+            100.0 * ok as f64 / n as f64,
+            pct(lat, 0.5) * 1e3,
+            pct(lat, 0.99) * 1e3
+        );
+    };
+    let (ok, lat) = fresh_connections(0..probes, vip, false).await;
+    row("control, no attackers", ok, probes, &lat, None);
+    let base = pct(&lat, 0.99);
+    for (k, (n, sources)) in [(300, 1), (5000, 1), (2000, 2000)].into_iter().enumerate() {
+        let held = half_hellos(n, sources, hbone).await;
+        let pending = b.ctx.pending.len();
+        let ids = probes * (k + 1)..probes * (k + 2);
+        let (ok, lat) = fresh_connections(ids, vip, false).await;
+        row(
+            &format!(
+                "{n} half ClientHellos from {sources} source(s) ({} connected, {pending} pending)",
+                held.len()
+            ),
+            ok,
+            probes,
+            &lat,
+            Some(base),
+        );
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let rss_before = rss_bytes();
+    let t = Instant::now();
+    let (ok, lat) = fresh_connections(4 * probes..4 * probes + storm, vip, true).await;
+    let secs = t.elapsed().as_secs_f64();
+    println!(
+        "  storm: {storm} fresh identities from {storm} sources at once: {ok}/{storm} succeeded, \
+         {} failed; p50 {:.0} ms, p99 {:.0} ms, all done in {secs:.2} s; process RSS {:.0} MB \
+         before, peak {:.0} MB (both proxies and the clients)",
+        storm - ok,
+        pct(&lat, 0.5) * 1e3,
+        pct(&lat, 0.99) * 1e3,
+        rss_before as f64 / 1e6,
+        peak_rss_bytes() as f64 / 1e6
+    );
+    let text = b.metrics_text();
+    let refusals: Vec<&str> =
+        text.lines().filter(|l| l.starts_with("mbtunnel_connections_refused_total{")).collect();
+    println!(
+        "  server refusals over the run: {}",
+        if refusals.is_empty() { "none".to_string() } else { refusals.join("; ") }
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    let _ = std::fs::remove_dir_all(&ca_dir);
+}
+
 /// 4. Dials per second from one source address.
 async fn dial_rate() {
     let secs = env_usize("STORM_DIAL_SECS", 60) as u64;
@@ -504,6 +727,9 @@ fn main() {
         }
         if want("dial") {
             dial_rate().await;
+        }
+        if want("admission") {
+            admission().await;
         }
     });
 }
