@@ -503,9 +503,9 @@ async fn half_hellos(n: usize, sources: usize, hbone: SocketAddr) -> Vec<tokio::
     held
 }
 
-/// 5. Handshake admission (issue 30): fresh identities connecting to a node that unauthenticated
-/// peers attack with half-sent ClientHellos, against the same run without attackers; and a
-/// storm of fresh identities from distinct sources, all at once.
+/// Part 5, handshake admission (issue 30): fresh identities connecting to a node that
+/// unauthenticated peers attack with half-sent ClientHellos, against the same run without
+/// attackers; and a storm of fresh identities from distinct sources, all at once.
 async fn admission() {
     let probes = env_usize("STORM_PROBES", 200);
     let storm = env_usize("STORM_FRESH", 2000);
