@@ -294,6 +294,75 @@ async fn a_pods_listener_speaks_for_that_pod_whatever_the_source_address() {
     b.shutdown().await;
 }
 
+/// A pooled HBONE connection belongs to one pod: a second pod of the same service account that
+/// sends from the first pod's address gets a connection of its own, not the first pod's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_connections_belong_to_a_pod_not_to_a_source_address() {
+    let net = 48;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("xds-never-ca48");
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload("c2", "client2", "client", ip(net, 9), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[
+                    ("demo/echo.demo.svc.cluster.local", 8080),
+                    ("demo/echo2.demo.svc.cluster.local", 8080),
+                    ("demo/echo3.demo.svc.cluster.local", 8080),
+                ],
+            ),
+            cp::service("echo", ip(net, 50), 8080),
+            cp::service("echo2", ip(net, 60), 8080),
+            cp::service("echo3", ip(net, 70), 8080),
+        ],
+    );
+    let _peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let (a, b) = cp::start_pair(net, &cp, &never).await;
+    // Listeners standing for pods c1 and c2 (as in-pod mode opens one per pod).
+    for (pod, vip) in [("c1", 60u8), ("c2", 70)] {
+        let l = tokio::net::TcpListener::bind(SocketAddr::new(ip(net, vip), 8080)).await.unwrap();
+        let ctx = a.ctx.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((s, _)) = l.accept().await else { return };
+                let peer = s.peer_addr().unwrap();
+                let ctx = ctx.clone();
+                tokio::spawn(mbtunnel::proxy::outbound::handle(
+                    ctx,
+                    s,
+                    peer,
+                    None,
+                    Some(std::sync::Arc::from(pod)),
+                ));
+            }
+        });
+    }
+    // Both send from c1's address.
+    let round = |vip: u8| async move {
+        let s = TcpSocket::new_v4().unwrap();
+        s.bind(SocketAddr::new(ip(net, 2), 0)).unwrap();
+        s.connect(SocketAddr::new(ip(net, vip), 8080)).await.unwrap()
+    };
+    let mut c1 = round(60).await;
+    c1.write_all(b"one").await.unwrap();
+    let mut buf = [0u8; 3];
+    c1.read_exact(&mut buf).await.unwrap();
+    assert_eq!(a.ctx.pool.len(), 1);
+    let mut c2 = round(70).await;
+    c2.write_all(b"two").await.unwrap();
+    c2.read_exact(&mut buf).await.unwrap();
+    assert_eq!(a.ctx.pool.len(), 2, "pod c2 rode pod c1's pooled connection");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 /// `cp::policy` with a source block of /33 added to its match: a version the proxy refuses.
 fn refused(p: (String, Vec<u8>)) -> (String, Vec<u8>) {
     use mbtunnel::proto::security as pb;

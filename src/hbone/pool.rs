@@ -23,10 +23,14 @@ use crate::net::socket::{dial, DialOpts};
 use crate::net::Limits;
 use crate::tls::TlsProvider;
 
-/// What makes two outbound connections shareable.
+/// What makes two outbound connections shareable. A pooled connection belongs to one pod: its
+/// workload (`src_pod`, the uid) and identity, never merely to the source address its packets
+/// carry, so a pod that binds a neighbour's address does not ride the neighbour's connection.
+/// `src_ip` is the address the connection is dialled from (transparent mode).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct PoolKey {
     pub src_id: Identity,
+    pub src_pod: Arc<str>,
     pub dst_id: Identity,
     pub dst: SocketAddr,
     pub src_ip: IpAddr,
@@ -311,6 +315,7 @@ mod tests {
         let id = |s: &str| s.parse::<Identity>().unwrap();
         let base = PoolKey {
             src_id: id("spiffe://td/ns/a/sa/a"),
+            src_pod: "pod-a".into(),
             dst_id: id("spiffe://td/ns/b/sa/b"),
             dst: "10.0.0.2:15008".parse().unwrap(),
             src_ip: "10.0.0.1".parse().unwrap(),
@@ -323,6 +328,8 @@ mod tests {
             PoolKey { dst_id: id("spiffe://td/ns/b/sa/x"), ..base.clone() },
             PoolKey { dst: "10.0.0.3:15008".parse().unwrap(), ..base.clone() },
             PoolKey { src_ip: "10.0.0.9".parse().unwrap(), ..base.clone() },
+            // Same identity, same address, another pod: its own connection.
+            PoolKey { src_pod: "pod-b".into(), ..base.clone() },
         ] {
             assert!(set.insert(k), "each field separates pools");
         }

@@ -116,7 +116,15 @@ pub async fn handle(
                 }
             }
             Protocol::Hbone => {
-                let key = PoolKey { src_id, dst_id, dst: hop, src_ip: peer.ip() };
+                // The pod's own pool (in-pod mode: the pod whose listener accepted, whatever
+                // source address it used).
+                let key = PoolKey {
+                    src_id,
+                    src_pod: src_wl.uid.as_str().into(),
+                    dst_id,
+                    dst: hop,
+                    src_ip: peer.ip(),
+                };
                 let headers = ConnectHeaders {
                     source: peer,
                     baggage: format!(
