@@ -254,6 +254,9 @@ async fn accept_connect(
     let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
         .with_source(src_wl.as_deref(), Some(peer_id.to_string()))
         .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
+    // Registered before it is decided: a policy pushed from here on re-checks it, while it is
+    // being dialled too.
+    let tracked = ctx.conns.register(&dst_wl.uid, Some(peer_id), peer.ip(), target);
     // Authorization, before the app is dialled: a denial answers 401 on this stream only.
     if let Err(reason) = authorize(ctx, &dst_wl, Some(peer_id), peer.ip(), target) {
         ConnRecord::denied(ctx, peer, target, labels, &reason);
@@ -268,7 +271,13 @@ async fn accept_connect(
             return None;
         }
     };
-    let tracked = ctx.conns.register(&dst_wl.uid, Some(peer_id), peer.ip(), target);
+    if let Some(reason) = tracked.closed.borrow().clone() {
+        // Denied by a policy that arrived while the app was being dialled.
+        reset_on_close(&upstream);
+        ConnRecord::denied(ctx, peer, target, labels, &reason);
+        answer(StatusCode::UNAUTHORIZED);
+        return None;
+    }
     let rec = ConnRecord::open(ctx, peer, target, labels);
     let send = match respond.send_response(status(StatusCode::OK), false) {
         Ok(s) => s,
@@ -381,6 +390,8 @@ pub async fn handle_plaintext(
             let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::unknown)
                 .with_source(ctx.state.workload_by_ip(peer.ip()).as_deref(), None)
                 .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
+            // Registered before it is decided (see `accept_connect`).
+            let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
             // No verified identity: only address and port fields can allow it.
             if let Err(reason) = authorize(&ctx, &dst_wl, None, peer.ip(), dst) {
                 ConnRecord::denied(&ctx, peer, dst, labels, &reason);
@@ -391,10 +402,9 @@ pub async fn handle_plaintext(
             let rec = ConnRecord::open(&ctx, peer, dst, labels);
             let source = ctx.transparent.then_some(peer.ip());
             match dial(dst, ctx.dial_opts(source, netns.as_deref())).await {
-                Ok(up) => {
-                    let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
-                    Some((client, up, tracked, rec))
-                }
+                // A policy that arrives during the dial still applies: the relay starts with
+                // the revocation and ends at once.
+                Ok(up) => Some((client, up, tracked, rec)),
                 Err(e) => {
                     reset_on_close(&client);
                     rec.close(0, 0, Err(format!("connect {dst}: {e}")));
