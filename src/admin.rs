@@ -1,10 +1,15 @@
 //! HTTP endpoints: metrics (:15020 `/metrics`), readiness (:15021 `/healthz/ready`), and the admin
 //! interface (127.0.0.1:15000: `/config_dump`, `/logging?level=...`, `/redirect/ebpf`). Accept
 //! errors (e.g. EMFILE) back off instead of spinning.
+//!
+//! Secrets stay out of the dump: the bearer token and header values are `config::Secret`s, which
+//! serialise as `<redacted>`. Requests that change state (a log level, the eBPF redirect) are
+//! served to loopback peers only, whatever address the admin port is bound to.
 #![forbid(unsafe_code)]
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -41,24 +46,24 @@ pub struct Endpoint {
     pub accept_errors: prometheus_client::metrics::counter::Counter,
 }
 
-/// Serves HTTP/1 on the endpoint with `handler` until drain. Accept errors (out of descriptors)
-/// back off and are counted.
+/// Serves HTTP/1 on the endpoint with `handler` (given each request and the peer's address) until
+/// drain. Accept errors (out of descriptors) back off and are counted.
 pub async fn serve<H, Fut>(ep: Endpoint, handler: H)
 where
-    H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    H: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Response<Body>> + Send + 'static,
 {
     let (mut backoff, mut last_log) = (std::time::Duration::ZERO, None);
     loop {
         tokio::select! {
             _ = ep.drain.signaled() => return,
-            (s, _) = crate::proxy::accept_backing_off(
+            (s, peer) = crate::proxy::accept_backing_off(
                 ep.name, &ep.listener, &ep.accept_errors, &mut backoff, &mut last_log) => {
                 let h = handler.clone();
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(move |req| {
                         let h = h.clone();
-                        async move { Ok::<_, Infallible>(h(req).await) }
+                        async move { Ok::<_, Infallible>(h(req, peer).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(s), svc)
@@ -117,6 +122,44 @@ pub fn percent_encode(v: &str) -> String {
 /// Parses `level=...` from a query string.
 pub fn level_param(query: Option<&str>) -> Option<String> {
     query_param(query, "level")
+}
+
+/// Whether `peer` may change the proxy's state through the admin API: loopback only (IPv4
+/// 127.0.0.0/8, `::1`, and IPv4-mapped loopback), so binding the admin port wider (or running
+/// with `hostNetwork`, where the node's other processes share loopback anyway) never lets another
+/// machine change a log level or a pod's capture.
+pub fn may_change_state(peer: SocketAddr) -> bool {
+    match peer.ip() {
+        std::net::IpAddr::V4(v4) => v4.is_loopback(),
+        std::net::IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
+}
+
+/// Whether a request to the admin API would change state: setting a log level, or a POST under
+/// `/redirect/ebpf` (attach, detach, enrol, unenrol). Anything else only reads.
+pub fn changes_state(method: &http::Method, path: &str, query: Option<&str>) -> bool {
+    match path {
+        "/logging" => level_param(query).is_some(),
+        p if p == "/redirect/ebpf" || p.starts_with("/redirect/ebpf/") => {
+            method == http::Method::POST
+        }
+        _ => false,
+    }
+}
+
+/// The answer to a state-changing request from a peer that is not on loopback.
+pub fn refuse_remote(peer: SocketAddr, path: &str) -> Response<Body> {
+    text(
+        StatusCode::FORBIDDEN,
+        format!(
+            "{path} changes the proxy's state and is served to loopback peers only; {} is not \
+             loopback: run the request on the node itself (or kubectl port-forward to the \
+             admin port)\n",
+            peer.ip()
+        ),
+    )
 }
 
 /// The eBPF redirect's admin endpoints (what `mbtunnel redirect ebpf ...` calls):
@@ -199,6 +242,9 @@ pub fn ebpf_endpoint(
 
 /// What the admin endpoint shows and changes.
 pub struct AdminState {
+    /// Requests refused because they would change state from a non-loopback peer
+    /// (`mbtunnel_admin_refused_total`).
+    pub refused: prometheus_client::metrics::counter::Counter,
     pub cfg: Arc<Config>,
     pub store: Arc<CertStore>,
     pub ctx: Arc<Ctx>,
@@ -212,7 +258,7 @@ pub struct AdminState {
 
 /// `:15020/metrics` (also `/stats/prometheus`).
 pub async fn serve_metrics(ep: Endpoint, registry: Arc<Registry>, ebpf: Option<Arc<EbpfRedirect>>) {
-    serve(ep, move |req| {
+    serve(ep, move |req, _| {
         let (reg, ebpf) = (registry.clone(), ebpf.clone());
         async move {
             match req.uri().path() {
@@ -238,7 +284,7 @@ pub async fn serve_metrics(ep: Endpoint, registry: Arc<Registry>, ebpf: Option<A
 
 /// `:15021/healthz/ready`: 200 while `ready()` holds, 503 otherwise.
 pub async fn serve_readiness(ep: Endpoint, ready: Arc<dyn Fn() -> bool + Send + Sync>) {
-    serve(ep, move |req| {
+    serve(ep, move |req, _| {
         let ready = ready();
         async move {
             match req.uri().path() {
@@ -257,12 +303,19 @@ fn with_type(mut r: Response<Body>, content_type: &'static str) -> Response<Body
     r
 }
 
-/// `127.0.0.1:15000`: `/config_dump`, `/logging?level=...`, `/redirect/ebpf...`.
+/// `127.0.0.1:15000`: `/config_dump`, `/logging?level=...`, `/redirect/ebpf...`. Changes
+/// ([`changes_state`]) from a peer that is not on loopback are refused with 403 and counted.
 pub async fn serve_admin(ep: Endpoint, st: Arc<AdminState>) {
-    serve(ep, move |req| {
+    serve(ep, move |req, peer| {
         let st = st.clone();
         async move {
             let path = req.uri().path();
+            if changes_state(req.method(), path, req.uri().query()) && !may_change_state(peer) {
+                st.refused.inc();
+                tracing::warn!(%peer, path, "admin: refused a state-changing request from a \
+                    non-loopback peer (only loopback may change state)");
+                return refuse_remote(peer, path);
+            }
             if path == "/redirect/ebpf" || path.starts_with("/redirect/ebpf/") {
                 // Attaching runs netlink and bpf syscalls: off the async workers.
                 let (method, path, query) =
@@ -399,4 +452,35 @@ pub fn config_dump(st: &AdminState) -> serde_json::Value {
         v["xds"] = json!(x.status());
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_peers_may_change_state() {
+        for p in ["127.0.0.1:1", "127.9.8.7:15000", "[::1]:2", "[::ffff:127.0.0.1]:3"] {
+            assert!(may_change_state(p.parse().unwrap()), "{p} is loopback");
+        }
+        for p in ["10.0.0.7:1", "0.0.0.0:1", "192.168.1.1:1", "[::ffff:10.0.0.7]:1", "[fe80::1]:1"]
+        {
+            assert!(!may_change_state(p.parse().unwrap()), "{p} is not loopback");
+        }
+        let r = refuse_remote("10.0.0.7:4444".parse().unwrap(), "/logging");
+        assert_eq!(r.status(), StatusCode::FORBIDDEN);
+    }
+
+    #[test]
+    fn which_admin_requests_change_state() {
+        use http::Method;
+        assert!(changes_state(&Method::GET, "/logging", Some("level=debug")));
+        assert!(changes_state(&Method::POST, "/logging", Some("level=info")));
+        assert!(changes_state(&Method::POST, "/redirect/ebpf/enrol", Some("ip=10.0.0.1")));
+        assert!(changes_state(&Method::POST, "/redirect/ebpf/attach", None));
+        assert!(!changes_state(&Method::GET, "/redirect/ebpf", None), "status only reads");
+        assert!(!changes_state(&Method::GET, "/logging", None), "usage only");
+        assert!(!changes_state(&Method::GET, "/config_dump", None));
+        assert!(!changes_state(&Method::GET, "/authz/check", Some("src=a&dst=b")));
+    }
 }

@@ -260,6 +260,12 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     }
     let inpod_metrics =
         cfg.inpod_enabled.then(|| crate::inpod::InPodMetrics::register(&mut registry));
+    let admin_refused = prometheus_client::metrics::counter::Counter::default();
+    registry.sub_registry_with_prefix("mbtunnel").register(
+        "admin_refused",
+        "Admin requests refused: a state-changing request from a non-loopback peer",
+        admin_refused.clone(),
+    );
     let registry = Arc::new(registry);
     let mut tasks = Vec::new();
 
@@ -352,6 +358,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         }),
     )));
     let admin_state = Arc::new(admin::AdminState {
+        refused: admin_refused,
         cfg: Arc::new(cfg.clone()),
         store: store.clone(),
         ctx: ctx.clone(),
@@ -390,7 +397,7 @@ fn endpoints(
     address: &str,
     roots: &str,
     what: &str,
-    headers: &std::collections::BTreeMap<String, String>,
+    headers: &std::collections::BTreeMap<String, crate::config::Secret>,
 ) -> anyhow::Result<Endpoints> {
     let roots_pem = crate::grpc::load_roots(roots).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
     Ok(Endpoints {

@@ -77,6 +77,38 @@ pub enum ConfigError {
 
 pub use crate::identity::KeyAlgorithm;
 
+/// What a dump, a log line or a `Debug` print shows in place of a secret.
+pub const REDACTED: &str = "<redacted>";
+
+/// A secret setting (a bearer token, a header value): read from the file or the environment like
+/// any string, but serialised (the admin config dump) and printed (`Debug`, so every log line)
+/// as [`REDACTED`]. Only [`Secret::expose`] gives the value, for the one place that sends it.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(v: impl Into<String>) -> Secret {
+        Secret(v.into())
+    }
+    /// The value itself: only for putting it on the wire.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(REDACTED)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(REDACTED)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -228,16 +260,17 @@ pub struct Config {
     pub ca_root_ca: String,
     /// The projected service-account token sent as `authorization: Bearer` (read per call).
     pub auth_token_file: PathBuf,
-    /// A fixed token instead of the file (`AUTH_TOKEN`).
-    pub auth_token: Option<String>,
+    /// A fixed token instead of the file (`AUTH_TOKEN` when it does not name a file). Shown
+    /// as `<redacted>` in the config dump and in logs.
+    pub auth_token: Option<Secret>,
     pub cluster_id: String,
     pub pod_name: String,
     pub pod_namespace: String,
     pub instance_ip: Option<IpAddr>,
-    /// Extra gRPC metadata on xDS calls.
-    pub xds_headers: BTreeMap<String, String>,
-    /// Extra gRPC metadata on CA calls.
-    pub ca_headers: BTreeMap<String, String>,
+    /// Extra gRPC metadata on xDS calls (names shown, values `<redacted>`).
+    pub xds_headers: BTreeMap<String, Secret>,
+    /// Extra gRPC metadata on CA calls (names shown, values `<redacted>`).
+    pub ca_headers: BTreeMap<String, Secret>,
     /// Local mode: re-read the config file's workloads, services and policies when it changes.
     pub watch_file: bool,
     /// The file this configuration was read from (set by the loader, not written in it).
@@ -405,7 +438,7 @@ impl Config {
             self.ca_root_ca = v;
         }
         if let Some(v) = get(env::AUTH_TOKEN).and_then(nonempty) {
-            self.auth_token = Some(v);
+            self.auth_token = Some(Secret(v));
         }
         if let Some(v) = get(env::AUTH_TOKEN_FILE).and_then(nonempty) {
             self.auth_token_file = v.into();
@@ -450,9 +483,9 @@ impl Config {
     pub fn apply_header_env(&mut self, vars: impl Iterator<Item = (String, String)>) {
         for (k, v) in vars {
             if let Some(h) = k.strip_prefix(env::XDS_HEADER_PREFIX) {
-                self.xds_headers.insert(h.to_ascii_lowercase(), v);
+                self.xds_headers.insert(h.to_ascii_lowercase(), Secret(v));
             } else if let Some(h) = k.strip_prefix(env::CA_HEADER_PREFIX) {
-                self.ca_headers.insert(h.to_ascii_lowercase(), v);
+                self.ca_headers.insert(h.to_ascii_lowercase(), Secret(v));
             }
         }
     }
@@ -671,6 +704,38 @@ mod tests {
     }
 
     #[test]
+    fn secrets_are_redacted_in_serialisation_and_debug() {
+        let mut c = Config::default();
+        c.apply_env(|k| (k == env::AUTH_TOKEN).then(|| "tok-8f3a1c".to_string())).unwrap();
+        c.apply_header_env(
+            [
+                ("XDS_HEADER_X-Tenant".to_string(), "hv-x-51d2".to_string()),
+                ("CA_HEADER_X-Key".to_string(), "hv-c-77e0".to_string()),
+            ]
+            .into_iter(),
+        );
+        assert_eq!(c.auth_token.as_ref().map(Secret::expose), Some("tok-8f3a1c"));
+        let json = serde_json::to_string(&c).unwrap();
+        let debug = format!("{c:?}");
+        for shown in [&json, &debug] {
+            for secret in ["tok-8f3a1c", "hv-x-51d2", "hv-c-77e0"] {
+                assert!(!shown.contains(secret), "{secret} shown: {shown}");
+            }
+            assert!(shown.contains("x-tenant") && shown.contains("x-key"), "names stay: {shown}");
+            assert!(shown.contains(REDACTED), "{shown}");
+        }
+        // The file form still reads a token as written.
+        let c = Config::from_yaml(
+            "auth_token: abc
+xds_headers: {k: v}
+",
+            Path::new("t.yaml"),
+        );
+        let c = c.unwrap();
+        assert_eq!((c.auth_token.unwrap().expose(), c.xds_headers["k"].expose()), ("abc", "v"));
+    }
+
+    #[test]
     fn control_plane_settings_from_env() {
         let mut c = Config::default();
         c.apply_env(|k| match k {
@@ -686,7 +751,7 @@ mod tests {
         assert_eq!(c.instance_ip, Some("10.0.0.7".parse().unwrap()));
         assert_eq!(c.cluster_id, "c1");
         c.apply_header_env([("XDS_HEADER_X-Tenant".to_string(), "t1".to_string())].into_iter());
-        assert_eq!(c.xds_headers["x-tenant"], "t1");
+        assert_eq!(c.xds_headers["x-tenant"].expose(), "t1");
         let e = c.apply_env(|k| (k == env::SECRET_TTL).then(|| "soon".into())).unwrap_err();
         assert!(e.to_string().contains("SECRET_TTL"), "{e}");
         let e = Config::from_yaml(

@@ -17,12 +17,14 @@ use hyper_util::rt::TokioIo;
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::transport::{Channel, Endpoint};
 
-/// Where the bearer token comes from.
+use crate::config::Secret;
+
+/// Where the bearer token comes from (`Debug` shows the file's path, never a token).
 #[derive(Clone, Debug)]
 pub enum TokenSource {
     /// Read at every call (Kubernetes rotates projected tokens).
     File(PathBuf),
-    Static(String),
+    Static(Secret),
     /// No `authorization` header (tests of the Unauthenticated path).
     None,
 }
@@ -34,13 +36,13 @@ impl TokenSource {
             TokenSource::File(p) => std::fs::read_to_string(p)
                 .map(|t| Some(t.trim().to_string()))
                 .map_err(|e| format!("cannot read the token file {}: {e}", p.display())),
-            TokenSource::Static(t) => Ok(Some(t.trim().to_string())),
+            TokenSource::Static(t) => Ok(Some(t.expose().trim().to_string())),
             TokenSource::None => Ok(None),
         }
     }
 }
 
-/// One control-plane endpoint and how to call it.
+/// One control-plane endpoint and how to call it (`Debug` redacts the token and header values).
 #[derive(Clone, Debug)]
 pub struct Endpoints {
     pub address: String,
@@ -48,7 +50,7 @@ pub struct Endpoints {
     pub roots_pem: Vec<u8>,
     pub token: TokenSource,
     pub cluster_id: String,
-    pub headers: BTreeMap<String, String>,
+    pub headers: BTreeMap<String, Secret>,
 }
 
 /// Reads roots given as a file path or inline PEM.
@@ -79,8 +81,9 @@ impl Endpoints {
         for (k, v) in &self.headers {
             let key = tonic::metadata::MetadataKey::from_bytes(k.as_bytes())
                 .map_err(|_| format!("header name '{k}' is not valid"))?;
-            let val =
-                MetadataValue::try_from(v.as_str()).map_err(|_| format!("header '{k}' value"))?;
+            let val = MetadataValue::try_from(v.expose()).map_err(|_| {
+                format!("the value of header '{k}' holds characters not allowed in a header")
+            })?;
             md.insert(key, val);
         }
         Ok(())
@@ -158,5 +161,29 @@ fn tls_error<S>(e: &tokio_boring::HandshakeError<S>) -> String {
     match e.as_io_error() {
         Some(io) => io.to_string(),
         None => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_token_or_header_values() {
+        let ep = Endpoints {
+            address: "https://istiod:15012".into(),
+            roots_pem: Vec::new(),
+            token: TokenSource::Static(Secret::new("tok-4be1")),
+            cluster_id: "Kubernetes".into(),
+            headers: [("x-tenant".to_string(), Secret::new("hv-90aa"))].into_iter().collect(),
+        };
+        let d = format!("{ep:?}");
+        assert!(!d.contains("tok-4be1") && !d.contains("hv-90aa"), "{d}");
+        assert!(d.contains("x-tenant") && d.contains(crate::config::REDACTED), "{d}");
+        // The wire still carries both.
+        let mut md = MetadataMap::new();
+        ep.decorate(&mut md).unwrap();
+        assert_eq!(md.get("authorization").unwrap(), "Bearer tok-4be1");
+        assert_eq!(md.get("x-tenant").unwrap(), "hv-90aa");
     }
 }

@@ -219,3 +219,58 @@ fn peer_caused_refusals_are_counted_each_and_logged_once_a_second() {
     assert!(lines[0].contains("suppressed=0"), "{}", lines[0]);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The bearer token and header values given in the environment appear nowhere the proxy shows
+/// or writes: not in `/config_dump` (which names them `<redacted>` and keeps header names), not
+/// in the log, even at debug level.
+#[test]
+fn config_dump_and_log_never_show_the_token_or_header_values() {
+    let (dir, cfg) = fresh_dir("secrets");
+    std::fs::write(
+        &cfg,
+        format!(
+            "node_name: n\nca_dir: {}/ca\noutbound_addr: 127.0.23.1:0\ninbound_addr: 127.0.23.1:0\n\
+             inbound_plaintext_addr: 127.0.23.1:0\nmetrics_addr: 127.0.23.1:0\nreadiness_addr: 127.0.23.1:0\n\
+             admin_addr: 127.0.23.1:15000\n",
+            dir.display()
+        ),
+    )
+    .unwrap();
+    const TOKEN: &str = "tok-c1f7e9a2d4";
+    const XDS_VALUE: &str = "xhv-5b8e03";
+    const CA_VALUE: &str = "chv-e61d94";
+    let mut child = bin()
+        .arg("run")
+        .arg("--config")
+        .arg(&cfg)
+        .env("RUST_LOG", "debug")
+        .env("AUTH_TOKEN", TOKEN)
+        .env("XDS_HEADER_X-Tenant", XDS_VALUE)
+        .env("CA_HEADER_X-Api-Key", CA_VALUE)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut dump = String::new();
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(50));
+        dump = http_get("127.0.23.1:15000", "/config_dump");
+        if !dump.is_empty() {
+            break;
+        }
+    }
+    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status().unwrap();
+    assert!(child.wait().unwrap().success());
+    let mut log = String::new();
+    use std::io::Read;
+    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    assert!(dump.starts_with("HTTP/1.1 200") && dump.contains("\"auth_token\""), "{dump}");
+    assert!(dump.contains("\"x-tenant\": \"<redacted>\""), "{dump}");
+    assert!(dump.contains("\"x-api-key\": \"<redacted>\""), "{dump}");
+    assert!(dump.contains("\"auth_token\": \"<redacted>\""), "{dump}");
+    for secret in [TOKEN, XDS_VALUE, CA_VALUE] {
+        assert!(!dump.contains(secret), "{secret} in the dump:\n{dump}");
+        assert!(!log.contains(secret), "{secret} in the log:\n{log}");
+    }
+    assert!(log.contains("drained"), "{log}");
+    let _ = std::fs::remove_dir_all(dir);
+}
