@@ -300,6 +300,8 @@ pub struct Metrics {
     pub h2_errors: Family<H2ErrorLabels, Counter>,
     pub tls_alerts: Family<AlertLabels, Counter>,
     pub chain_checks: Family<ChainCheckLabels, Counter>,
+    /// Open inbound connections evaluated again by the live re-check.
+    pub rechecked: Counter,
 }
 
 /// The label of an HTTP/2 error: the name of its RFC 9113 code, `unknown` for any other code (a
@@ -361,6 +363,7 @@ impl Metrics {
             h2_errors: Family::default(),
             tls_alerts: Family::default(),
             chain_checks: Family::default(),
+            rechecked: Counter::default(),
         };
         let istio = registry.sub_registry_with_prefix("istio");
         istio.register("tcp_connections_opened", "Connections opened", m.opened.clone());
@@ -386,6 +389,11 @@ impl Metrics {
             "connections_refused",
             "Connections or requests refused, by reason",
             m.refused.clone(),
+        );
+        mbt.register(
+            "authz_rechecked_connections",
+            "Open inbound connections evaluated again because a policy or a local workload changed",
+            m.rechecked.clone(),
         );
         mbt.register(
             "active_connections",

@@ -158,3 +158,80 @@ async fn allow_deny_live_and_strict() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// A DENY pushed while B is still dialling the app applies to that connection: it is
+/// registered for the live re-check before the dial, so when the dial would complete the
+/// connection is already revoked and never reaches the app (issue 30 item 7).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deny_pushed_during_the_dial_to_the_app_applies_to_that_connection() {
+    let net = 49;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("authz-dial-never-ca");
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[("demo/echo.demo.svc.cluster.local", 8080)],
+            ),
+            cp::service("echo", ip(net, 50), 8080),
+        ],
+    );
+    cp.upsert(AUTHORIZATION_TYPE, vec![]);
+    // The app: a listener whose accept queue (backlog 0) is already full, so B's dial hangs in
+    // SYN retransmission until the queue is drained below.
+    let app = SocketAddr::new(ip(net, 3), 8080);
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    sock.set_reuse_address(true).unwrap();
+    sock.bind(&app.into()).unwrap();
+    sock.listen(0).unwrap();
+    sock.set_nonblocking(true).unwrap();
+    let listener = tokio::net::TcpListener::from_std(sock.into()).unwrap();
+    let _filler = tokio::net::TcpStream::connect(app).await.unwrap();
+    let (a, b) = cp::start_pair(net, &cp, &never).await;
+
+    let mut s = from(net, 2).await;
+    s.write_all(b"ping").await.unwrap();
+    assert!(
+        wait_for(|| !b.ctx.conns.is_empty()).await,
+        "B never registered the connection it is dialling for"
+    );
+    cp.upsert(AUTHORIZATION_TYPE, vec![cp::policy("deny-client", "demo", true, &[CLIENT], false)]);
+    assert!(
+        wait_for(|| metric(
+            &b.metrics_text(),
+            "mbtunnel_connections_refused_total",
+            &["authorization_revoked"]
+        ) == Some(1.0))
+        .await,
+        "the DENY did not reach the connection being dialled: {}",
+        b.metrics_text()
+    );
+    // Now let the app accept: had the dial not been revoked, the retransmitted SYN would get
+    // through and the ping would be echoed.
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = served.clone();
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let (mut r, mut w) = c.split();
+                let _ = tokio::io::copy(&mut r, &mut w).await;
+            });
+        }
+    });
+    let mut got = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut got)).await;
+    assert!(r.is_ok(), "the revoked connection stayed open");
+    assert!(got.is_empty(), "the revoked connection reached the app: {got:?}");
+    // Wait out the SYN retransmissions (1 s, 3 s): the app saw only the filler.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(served.load(std::sync::atomic::Ordering::SeqCst), 1, "the app got B's dial");
+    a.shutdown().await;
+    b.shutdown().await;
+}

@@ -264,20 +264,20 @@ async fn accept_connect(
         return None;
     }
     let source = ctx.transparent.then_some(peer.ip());
-    let upstream = match dial(target, ctx.dial_opts(source, netns)).await {
-        Ok(u) => u,
-        Err(e) => {
+    let upstream = match dial_unless_revoked(target, ctx.dial_opts(source, netns), &tracked).await {
+        Dialled::Up(u) => u,
+        Dialled::Failed(e) => {
             refuse(ConnectRefusal::Upstream(target, e.to_string()), &mut answer);
             return None;
         }
+        Dialled::Revoked(reason) => {
+            // Denied by a policy that arrived while the app was being dialled: the dial is
+            // abandoned, the app never sees the connection.
+            ConnRecord::denied(ctx, peer, target, labels, &reason);
+            answer(StatusCode::UNAUTHORIZED);
+            return None;
+        }
     };
-    if let Some(reason) = tracked.closed.borrow().clone() {
-        // Denied by a policy that arrived while the app was being dialled.
-        reset_on_close(&upstream);
-        ConnRecord::denied(ctx, peer, target, labels, &reason);
-        answer(StatusCode::UNAUTHORIZED);
-        return None;
-    }
     let rec = ConnRecord::open(ctx, peer, target, labels);
     let send = match respond.send_response(status(StatusCode::OK), false) {
         Ok(s) => s,
@@ -288,6 +288,40 @@ async fn accept_connect(
         }
     };
     Some((H2Stream::new(send, req.into_body()), upstream, tracked, rec))
+}
+
+/// How a dial toward the app ended.
+enum Dialled {
+    Up(tokio::net::TcpStream),
+    Failed(std::io::Error),
+    /// The connection's authorization was revoked first (the reason).
+    Revoked(String),
+}
+
+/// Dials the app unless the tracked connection is revoked first (a policy pushed during the
+/// dial): then the half-open socket is dropped and the app never sees the connection.
+async fn dial_unless_revoked(
+    target: SocketAddr,
+    opts: crate::net::socket::DialOpts<'_>,
+    tracked: &crate::proxy::Registered,
+) -> Dialled {
+    let mut closed = tracked.closed.clone();
+    tokio::select! {
+        biased;
+        r = closed.wait_for(|c| c.is_some()) => {
+            Dialled::Revoked(r.map(|c| c.clone().unwrap_or_default()).unwrap_or_default())
+        }
+        r = dial(target, opts) => match r {
+            Ok(u) => match tracked.closed.borrow().clone() {
+                Some(reason) => {
+                    reset_on_close(&u);
+                    Dialled::Revoked(reason)
+                }
+                None => Dialled::Up(u),
+            },
+            Err(e) => Dialled::Failed(e),
+        },
+    }
 }
 
 /// Checks a connection to local workload `dst_wl` against the authorization policies that apply
@@ -399,15 +433,21 @@ pub async fn handle_plaintext(
                 reset_on_close(&client);
                 return None;
             }
-            let rec = ConnRecord::open(&ctx, peer, dst, labels);
             let source = ctx.transparent.then_some(peer.ip());
-            match dial(dst, ctx.dial_opts(source, netns.as_deref())).await {
-                // A policy that arrives during the dial still applies: the relay starts with
-                // the revocation and ends at once.
-                Ok(up) => Some((client, up, tracked, rec)),
-                Err(e) => {
+            match dial_unless_revoked(dst, ctx.dial_opts(source, netns.as_deref()), &tracked).await
+            {
+                Dialled::Up(up) => {
+                    Some((client, up, tracked, ConnRecord::open(&ctx, peer, dst, labels)))
+                }
+                Dialled::Failed(e) => {
                     reset_on_close(&client);
+                    let rec = ConnRecord::open(&ctx, peer, dst, labels);
                     rec.close(0, 0, Err(format!("connect {dst}: {e}")));
+                    None
+                }
+                Dialled::Revoked(reason) => {
+                    ConnRecord::denied(&ctx, peer, dst, labels, &reason);
+                    reset_on_close(&client);
                     None
                 }
             }

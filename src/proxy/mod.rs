@@ -5,6 +5,7 @@
 pub mod admission;
 pub mod inbound;
 pub mod outbound;
+pub mod registry;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -21,6 +22,7 @@ use crate::state::State;
 use crate::tls::TlsProvider;
 
 pub use admission::{Pending, PendingHandshakes};
+pub use registry::{run_recheck, ConnRegistry, Registered};
 
 /// Everything a connection handler needs.
 pub struct Ctx {
@@ -602,117 +604,6 @@ where
             }
         }
     })
-}
-
-/// Open inbound connections with what authorization needs to re-check them when the policies
-/// change (as ztunnel's connection manager does); a connection now denied is told to close.
-#[derive(Default)]
-pub struct ConnRegistry {
-    next: std::sync::atomic::AtomicU64,
-    open: std::sync::Mutex<std::collections::HashMap<u64, Tracked>>,
-}
-
-struct Tracked {
-    dst_uid: String,
-    src: Option<crate::identity::Identity>,
-    principal: Option<String>,
-    src_ip: std::net::IpAddr,
-    dst: SocketAddr,
-    close: watch::Sender<Option<String>>,
-}
-
-/// Held by a tracked connection; deregisters on drop.
-pub struct Registered {
-    reg: Arc<ConnRegistry>,
-    id: u64,
-    /// Turns `Some(reason)` when the connection must close.
-    pub closed: watch::Receiver<Option<String>>,
-}
-
-impl Drop for Registered {
-    fn drop(&mut self) {
-        self.reg.open.lock().unwrap().remove(&self.id);
-    }
-}
-
-impl ConnRegistry {
-    pub fn register(
-        self: &Arc<Self>,
-        dst_uid: &str,
-        src: Option<&crate::identity::Identity>,
-        src_ip: std::net::IpAddr,
-        dst: SocketAddr,
-    ) -> Registered {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (close, closed) = watch::channel(None);
-        self.open.lock().unwrap().insert(
-            id,
-            Tracked {
-                dst_uid: dst_uid.to_string(),
-                src: src.cloned(),
-                principal: src.map(crate::authz::principal_of),
-                src_ip,
-                dst,
-                close,
-            },
-        );
-        Registered { reg: self.clone(), id, closed }
-    }
-
-    pub fn len(&self) -> usize {
-        self.open.lock().unwrap().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Re-checks every open connection against the current state; closes those now denied
-    /// (or whose destination left). Returns how many were closed.
-    pub fn recheck(&self, state: &crate::state::Store) -> usize {
-        let open = self.open.lock().unwrap();
-        let mut closed = 0;
-        for t in open.values() {
-            if t.close.borrow().is_some() {
-                continue;
-            }
-            let verdict = match state.workload_by_uid(&t.dst_uid) {
-                None => Some("the destination workload left the mesh".to_string()),
-                Some(w) => {
-                    let c = crate::authz::Conn {
-                        src: t.src.as_ref(),
-                        principal: t.principal.as_deref(),
-                        src_ip: t.src_ip,
-                        dst_ip: t.dst.ip(),
-                        dst_port: t.dst.port(),
-                    };
-                    let d = crate::authz::decide(state, &w, &c, None);
-                    (!d.allowed()).then(|| d.reason())
-                }
-            };
-            if let Some(reason) = verdict {
-                tracing::warn!(src = %t.src_ip, dst = %t.dst, identity = ?t.src.as_ref().map(|i| i.to_string()),
-                    reason = %reason, "authorization changed: closing an open connection");
-                t.close.send_replace(Some(reason));
-                closed += 1;
-            }
-        }
-        closed
-    }
-}
-
-/// Re-checks open inbound connections whenever the mesh state changes.
-pub async fn run_recheck(ctx: Arc<Ctx>) {
-    let mut rx = ctx.state.subscribe();
-    while rx.changed().await.is_ok() {
-        let n = ctx.conns.recheck(&ctx.state);
-        if n > 0 {
-            ctx.metrics
-                .refused
-                .get_or_create(&crate::metrics::RefusalLabels { reason: "authorization_revoked" })
-                .inc_by(n as u64);
-        }
-    }
 }
 
 #[cfg(test)]

@@ -250,6 +250,9 @@ pub struct Store {
     cfg: StoreConfig,
     index: RwLock<Index>,
     version: watch::Sender<u64>,
+    /// Moves only when a decision about an open connection can change: a policy changed, or a
+    /// local workload (a destination policies are evaluated for) changed, came or left.
+    authz_epoch: watch::Sender<u64>,
     rr: AtomicUsize,
     enrolled: RwLock<HashSet<String>>,
     warned: std::sync::Mutex<HashSet<String>>,
@@ -270,6 +273,7 @@ impl Store {
             cfg,
             index: RwLock::new(Index::default()),
             version: watch::channel(0).0,
+            authz_epoch: watch::channel(0).0,
             rr: AtomicUsize::new(0),
             enrolled: RwLock::new(HashSet::new()),
             warned: Default::default(),
@@ -284,29 +288,52 @@ impl Store {
         &self.cfg.node_name
     }
 
-    /// Applies a change and notifies subscribers (once per call, even if nothing moved).
+    /// Applies a change and notifies subscribers (once per call, even if nothing moved). The
+    /// authorization epoch ([`subscribe_authz`](Self::subscribe_authz)) moves only when a policy
+    /// or a local workload actually changed: a push about other nodes' workloads, or the same
+    /// version sent again, re-checks no open connection.
     pub fn apply(&self, delta: Delta) {
+        let mut authz_changed = false;
         {
             let mut ix = self.index.write().unwrap();
             for (family, name) in &delta.removes {
                 match family {
                     Family::Address => {
+                        let local =
+                            ix.workloads.get(name.as_str()).is_some_and(|w| self.is_local(w));
+                        authz_changed |= local;
                         if !ix.remove_workload(name) {
                             ix.remove_service(name);
                         }
                     }
-                    Family::Policy => ix.remove_policy(name),
+                    Family::Policy => {
+                        authz_changed |= ix.policies.contains_key(name.as_str());
+                        ix.remove_policy(name)
+                    }
                 }
             }
             for r in delta.upserts {
                 match r {
-                    Resource::Workload(w) => ix.insert_workload(w),
+                    Resource::Workload(w) => {
+                        let old = ix.workloads.get(&w.uid);
+                        if old.is_none_or(|o| **o != w) {
+                            authz_changed |=
+                                self.is_local(&w) || old.is_some_and(|o| self.is_local(o));
+                        }
+                        ix.insert_workload(w)
+                    }
                     Resource::Service(s) => ix.insert_service(s),
-                    Resource::Policy(p) => ix.insert_policy(p),
+                    Resource::Policy(p) => {
+                        authz_changed |= ix.policies.get(&p.key()).is_none_or(|o| **o != p);
+                        ix.insert_policy(p)
+                    }
                 }
             }
         }
         self.version.send_modify(|v| *v += 1);
+        if authz_changed {
+            self.authz_epoch.send_modify(|v| *v += 1);
+        }
     }
 
     /// Records that the first complete response of `family` has been applied; once both
@@ -358,6 +385,12 @@ impl Store {
     /// A receiver whose value moves on every applied change.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.version.subscribe()
+    }
+
+    /// A receiver whose value moves when a decision about an open inbound connection can have
+    /// changed (see [`apply`](Self::apply)): what the live re-check waits on.
+    pub fn subscribe_authz(&self) -> watch::Receiver<u64> {
+        self.authz_epoch.subscribe()
     }
 
     pub fn counts(&self) -> Counts {
@@ -484,6 +517,7 @@ impl Store {
             }
         }
         self.version.send_modify(|v| *v += 1);
+        self.authz_epoch.send_modify(|v| *v += 1);
     }
 
     pub fn identity_of(&self, w: &Workload) -> Identity {
@@ -658,6 +692,62 @@ mod tests {
         assert_eq!(c.hbone_addr, "10.0.1.2:15008".parse().unwrap(), "default: workload ip:15008");
         assert_eq!(s.local_workloads().len(), 1);
         assert!(s.service_by_hostname("echo.default.svc.cluster.local").is_some());
+    }
+
+    #[test]
+    fn authz_epoch_moves_only_for_policies_and_local_workloads() {
+        let s = store();
+        let mut rx = s.subscribe_authz();
+        rx.borrow_and_update();
+        let moved = |rx: &mut watch::Receiver<u64>| {
+            rx.has_changed().unwrap() && {
+                rx.borrow_and_update();
+                true
+            }
+        };
+        let push = |w: Workload| {
+            s.apply(Delta { upserts: vec![Resource::Workload(w)], removes: vec![] });
+        };
+        // Another node's workload, new or changed: no decision here rests on it.
+        push(wl("s3", "echo-3", "echo", "10.0.2.4", "b"));
+        push(wl("s3", "echo-3", "other", "10.0.2.4", "b"));
+        assert!(!moved(&mut rx), "a remote workload moved the epoch");
+        // The local workload sent again unchanged: nothing to re-check.
+        push(wl("c", "client", "default", "10.0.1.2", "a"));
+        assert!(!moved(&mut rx), "an unchanged local workload moved the epoch");
+        // The local workload changed: its connections' decisions can change.
+        push(wl("c", "client", "other", "10.0.1.2", "a"));
+        assert!(moved(&mut rx));
+        // A workload moving off this node, and a local one leaving.
+        push(wl("c", "client", "other", "10.0.1.2", "b"));
+        assert!(moved(&mut rx));
+        push(wl("c2", "client-2", "default", "10.0.1.3", "a"));
+        assert!(moved(&mut rx));
+        s.apply(Delta { upserts: vec![], removes: vec![(Family::Address, "c2".into())] });
+        assert!(moved(&mut rx));
+        s.apply(Delta { upserts: vec![], removes: vec![(Family::Address, "s3".into())] });
+        assert!(!moved(&mut rx), "a remote workload leaving moved the epoch");
+        // Policies: new, the same again, changed, removed, removed again.
+        let p = |action: &str| -> Authorization {
+            serde_yaml::from_str(&format!(
+                "{{name: p, namespace: default, scope: NAMESPACE, action: {action}, rules: []}}"
+            ))
+            .unwrap()
+        };
+        let put = |a: Authorization| {
+            s.apply(Delta { upserts: vec![Resource::Policy(a)], removes: vec![] });
+        };
+        put(p("ALLOW"));
+        assert!(moved(&mut rx));
+        put(p("ALLOW"));
+        assert!(!moved(&mut rx), "the same policy again moved the epoch");
+        put(p("DENY"));
+        assert!(moved(&mut rx));
+        let key = p("DENY").key();
+        s.apply(Delta { upserts: vec![], removes: vec![(Family::Policy, key.clone())] });
+        assert!(moved(&mut rx));
+        s.apply(Delta { upserts: vec![], removes: vec![(Family::Policy, key)] });
+        assert!(!moved(&mut rx), "removing an absent policy moved the epoch");
     }
 
     #[test]
