@@ -187,6 +187,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         let e = EbpfRedirect::load(
             Listeners { outbound: &out_l, hbone: &in_l, plaintext: &pt_l },
             cfg.hbone_port,
+            cfg.socket_mark,
             redirect_metrics.clone(),
             if cfg.ebpf_fail_closed {
                 PinMode::FailClosed(cfg.ebpf_pin_dir.clone())

@@ -332,6 +332,139 @@ fn client_pod_to_server_pod_captured_by_ebpf_over_hbone_mtls() {
     }
 }
 
+/// Connects from a thread in namespace `ns` (a node: what node processes and hostNetwork pods
+/// share), from `bind` when given.
+fn connect_in_ns(
+    ns: &str,
+    bind: Option<std::net::IpAddr>,
+    dst: SocketAddr,
+) -> std::io::Result<TcpStream> {
+    let fd = mbtunnel::net::netns::open(&ns_path(ns))?;
+    let s = std::thread::spawn(move || {
+        mbtunnel::net::netns::enter_current_thread(fd.as_fd())?;
+        let sock =
+            socket2::Socket::new(socket2::Domain::for_address(dst), socket2::Type::STREAM, None)?;
+        if let Some(ip) = bind {
+            sock.bind(&SocketAddr::new(ip, 0).into())?;
+        }
+        sock.connect_timeout(&dst.into(), Duration::from_secs(3))?;
+        Ok::<TcpStream, std::io::Error>(sock.into())
+    })
+    .join()
+    .unwrap()?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    Ok(s)
+}
+
+/// Whether an echo round trip over `s` works (false: refused, reset or nothing back).
+fn echoes(s: std::io::Result<TcpStream>) -> bool {
+    let Ok(mut s) = s else { return false };
+    if s.write_all(b"are you there").is_err() || s.shutdown(std::net::Shutdown::Write).is_err() {
+        return false;
+    }
+    let mut back = Vec::new();
+    s.read_to_end(&mut back).is_ok() && back == b"are you there"
+}
+
+/// Replaces node `n`'s policies with the YAML list `yaml`.
+fn set_policies(n: &Node, yaml: &str) {
+    use mbtunnel::state::{Delta, Family, Resource};
+    let state = &n.r().ctx.state;
+    let ps: Vec<mbtunnel::state::policy::Authorization> = serde_yaml::from_str(yaml).unwrap();
+    let removes = state.names(Family::Policy).into_iter().map(|n| (Family::Policy, n)).collect();
+    state.apply(Delta { upserts: ps.into_iter().map(Resource::Policy).collect(), removes });
+}
+
+#[test]
+fn every_same_node_path_into_an_enrolled_pod_goes_through_the_proxy() {
+    require_netns!();
+    let _s = serial();
+    let c = ebpf_cluster("same-node");
+    attach_pods(&c);
+    let peers = echo_in(&c.echo);
+    let to = sa(c.echo.v4, 8080);
+    let node2 = c.sim.node_ns(2);
+    // A pod outside the mesh on the echo pod's own node, and the node itself (its processes,
+    // hostNetwork pods). Neither crosses an uplink.
+    let legacy = c.sim.add_pod(2, 3);
+    // Attaching the echo pod's interface let it deliver what its egress classifier turns back.
+    for (knob, want) in [("accept_local", "1"), ("rp_filter", "0")] {
+        let o = Command::new("ip")
+            .args(["netns", "exec", &node2, "cat", &format!("/proc/sys/net/ipv4/conf/vp2/{knob}")])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), want, "vp2 {knob}");
+    }
+    let same_node = |m: &str| {
+        metric(m, "mbtunnel_redirect_ebpf_packets_total", &["kind=\"same_node\""]).unwrap_or(0.0)
+    };
+    let plaintext_opened = |n: &Node| {
+        metric(
+            &n.metrics(),
+            "istio_tcp_connections_opened_total",
+            &["reporter=\"destination\"", "connection_security_policy=\"unknown\""],
+        )
+        .unwrap_or(0.0)
+    };
+
+    // PERMISSIVE (no policy): both reach the pod, through node 2's plaintext inbound listener
+    // (counted there), and the pod sees their own addresses.
+    let redirect_lines = |n: &Node| {
+        let m = n.metrics();
+        m.lines()
+            .filter(|l| l.contains("redirect_ebpf_packets_total") || l.contains("refused_total"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    // The node's other pods carry the pod classifier too (attached, not enrolled).
+    c.ctl(2, &["attach", "--iface", "vp3", "--role", "pod"]).expect("attach legacy's veth");
+    let ok = echoes(connect_from(&legacy, to));
+    assert!(ok, "same-node pod outside the mesh: {}", redirect_lines(c.n2()));
+    assert!(echoes(connect_in_ns(&node2, None, to)), "node process: {}", redirect_lines(c.n2()));
+    wait("echo saw the legacy pod", || peers.lock().unwrap().iter().any(|p| p.ip() == legacy.v4));
+    let m2 = c.n2().metrics();
+    assert!(same_node(&m2) >= 1.0, "the node process was turned back to the proxy: {m2}");
+    wait("node 2's proxy served both in plaintext", || plaintext_opened(c.n2()) >= 2.0);
+
+    // A pod whose veth lacks the classifier: its connection is dropped, never let past.
+    let bare = c.sim.add_pod(2, 5);
+    assert!(!echoes(connect_from(&bare, to)), "a pod on an unattached veth reached the pod");
+    assert!(!peers.lock().unwrap().iter().any(|p| p.ip() == bare.v4), "echo saw it");
+    let m2 = c.n2().metrics();
+    assert!(
+        metric(&m2, "mbtunnel_redirect_ebpf_packets_total", &["kind=\"unattached\""]) >= Some(1.0),
+        "{m2}"
+    );
+
+    // The kubelet's probes (SNATed to istio-cni's link-local address) are not captured.
+    common::netns::ip(&node2, "addr add 169.254.7.127/32 dev lo");
+    let before = same_node(&c.n2().metrics());
+    let probe: std::net::IpAddr = "169.254.7.127".parse().unwrap();
+    assert!(echoes(connect_in_ns(&node2, Some(probe), to)), "probe source");
+    wait("echo saw the probe", || peers.lock().unwrap().iter().any(|p| p.ip() == probe));
+    assert_eq!(same_node(&c.n2().metrics()), before, "a probe was turned back");
+
+    // STRICT: every plaintext path is refused at the proxy; mTLS from node 1 and the probes pass.
+    set_policies(
+        c.n2(),
+        "[{name: strict, namespace: demo, scope: NAMESPACE, action: DENY, \
+          rules: [{clauses: [{matches: [{not_principals: [presence]}]}]}]}]",
+    );
+    assert!(!echoes(connect_from(&legacy, to)), "same-node plaintext pod passed STRICT");
+    assert!(!echoes(connect_in_ns(&node2, None, to)), "node process passed STRICT");
+    assert!(echoes(connect_from(&c.client, to)), "mTLS from node 1 refused under STRICT");
+    assert!(echoes(connect_in_ns(&node2, Some(probe), to)), "probe refused under STRICT");
+    let m2 = c.n2().metrics();
+    assert!(
+        metric(&m2, "istio_tcp_connections_opened_total", &["response_flags=\"DENY\""])
+            >= Some(2.0),
+        "{m2}"
+    );
+    for ns in all_namespaces(&c) {
+        assert_no_packet_filter_rules(&ns);
+    }
+}
+
 /// Connects from `pod` with an IPv6 hop-by-hop options header (one PadN) on every segment.
 fn connect_with_hop_by_hop(pod: &Pod, dst: SocketAddr) -> std::io::Result<TcpStream> {
     pod.run(move || {
@@ -439,7 +572,11 @@ fn enrol_and_remove_while_traffic_flows_then_detach_leaves_nothing() {
     let (n1, n2) = (c.sim.node_ns(1), c.sim.node_ns(2));
     c.n1.take();
     c.n2.take();
-    wait("programs and maps freed", || programs_and_maps_named_mbt().is_empty());
+    let freed = (0..400).any(|_| {
+        std::thread::sleep(Duration::from_millis(25));
+        programs_and_maps_named_mbt().is_empty()
+    });
+    assert!(freed, "left behind: {:?}", programs_and_maps_named_mbt());
     for ns in [n1, n2] {
         let o = Command::new("ip").args(["-n", &ns, "rule", "show"]).output().unwrap();
         let rules = String::from_utf8_lossy(&o.stdout);

@@ -3,8 +3,17 @@
 //! policy route that delivers marked packets locally, and then, on request, attaches the
 //! classifiers to interfaces and enrols pod addresses.
 //!
-//! - `pod` role: the host side of a pod's veth (ingress = what the pod sends). New outbound
-//!   connections of enrolled pods go to the outbound listener.
+//! - `pod` role: the host side of a pod's veth. Ingress (what the pod sends): new outbound
+//!   connections of enrolled pods go to the outbound listener. Egress (what reaches the pod): a
+//!   new connection into an enrolled pod that did not come through the proxy — a pod outside the
+//!   mesh on this node, a hostNetwork pod, a node process — is turned back to the ingress and
+//!   handed to the inbound listeners there, so STRICT and every policy apply to it as to one
+//!   from another node. The proxy's own sockets (its socket mark) and the kubelet's probes
+//!   (istio-cni SNATs them to [`PROBE_SOURCES`]) pass. Every pod veth of the node needs the
+//!   role, mesh or not (non-mesh pods attached, not enrolled): a SYN into an enrolled pod
+//!   forwarded from a veth without it is dropped (`unattached`), since its later segments
+//!   would be dropped by the forwarding path. For the turned-back packets to be
+//!   delivered, the interface gets `accept_local=1` and `rp_filter=0` (see [`EbpfRedirect::attach`]).
 //! - `uplink` role: the node's interface toward other nodes. New connections to enrolled pods go
 //!   to the HBONE listener (HBONE port) or the plaintext inbound listener (any other port).
 //!
@@ -52,7 +61,19 @@ static OBJECT_PINNED: &[u8] =
     aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/mbtunnel-pinned.bpf.o"));
 
 /// Names of the maps (also their pin file names).
-const MAP_NAMES: [&str; 4] = ["mbt_listeners", "mbt_pods", "mbt_config", "mbt_stats"];
+const MAP_NAMES: [&str; 5] = ["mbt_listeners", "mbt_pods", "mbt_config", "mbt_stats", "mbt_bypass"];
+
+/// The classifiers in the object.
+const PROGRAMS: [&str; 3] = ["mbt_from_pod", "mbt_to_pod", "mbt_from_uplink"];
+
+/// Sources never captured on their way into a pod: the addresses istio-cni SNATs the kubelet's
+/// health probes to (ztunnel's in-pod rules let them pass the same way).
+pub const PROBE_SOURCES: [IpAddr; 2] = [
+    IpAddr::V4(std::net::Ipv4Addr::new(169, 254, 7, 127)),
+    IpAddr::V6(std::net::Ipv6Addr::new(
+        0xfd16, 0x9254, 0x7127, 0x1337, 0xffff, 0xffff, 0xffff, 0xffff,
+    )),
+];
 
 /// What outlives the proxy process (see the module documentation).
 #[derive(Clone, Debug)]
@@ -106,7 +127,8 @@ const LISTENER_HBONE: u32 = 1;
 const LISTENER_PLAINTEXT: u32 = 2;
 const CONFIG_MARK: u32 = 0;
 const CONFIG_HBONE_PORT: u32 = 1;
-const STAT_NAMES: [&str; 7] = [
+const CONFIG_OWN_MARK: u32 = 2;
+const STAT_NAMES: [&str; 9] = [
     "outbound",
     "inbound_hbone",
     "inbound_plaintext",
@@ -114,6 +136,8 @@ const STAT_NAMES: [&str; 7] = [
     "assign_failed",
     "steered",
     "malformed",
+    "same_node",
+    "unattached",
 ];
 
 const HINT: &str = "eBPF redirect needs Linux >= 5.10 with BPF (tcx on >= 6.6, else the clsact \
@@ -132,11 +156,27 @@ pub enum Role {
     Uplink,
 }
 
+/// One classifier a role attaches to its interface, and the prefix of its link's pin file.
+struct Hook {
+    program: &'static str,
+    direction: TcAttachType,
+    pin_prefix: &'static str,
+}
+
 impl Role {
-    fn program(self) -> &'static str {
+    fn hooks(self) -> &'static [Hook] {
+        const POD: &[Hook] = &[
+            Hook { program: "mbt_from_pod", direction: TcAttachType::Ingress, pin_prefix: "link" },
+            Hook { program: "mbt_to_pod", direction: TcAttachType::Egress, pin_prefix: "egress" },
+        ];
+        const UPLINK: &[Hook] = &[Hook {
+            program: "mbt_from_uplink",
+            direction: TcAttachType::Ingress,
+            pin_prefix: "link",
+        }];
         match self {
-            Role::Pod => "mbt_from_pod",
-            Role::Uplink => "mbt_from_uplink",
+            Role::Pod => POD,
+            Role::Uplink => UPLINK,
         }
     }
 }
@@ -194,7 +234,9 @@ fn chain(e: &dyn std::error::Error) -> String {
         }
         cur = c.source();
     }
-    if s.contains("Operation not permitted") || s.contains("Permission denied") {
+    if !s.contains("Verifier output")
+        && (s.contains("Operation not permitted") || s.contains("Permission denied"))
+    {
         s += " (the process lacks CAP_BPF/CAP_SYS_ADMIN or CAP_NET_ADMIN)";
     }
     s
@@ -259,12 +301,21 @@ impl RedirectMetrics {
             "mbtunnel_redirect_ebpf_packets",
             "Packets the eBPF classifiers acted on, by kind: new connections handed to the \
              outbound, inbound_hbone or inbound_plaintext listener, later segments steered to \
-             the proxy's sockets, drops for no_listener, assign_failed, or malformed (TCP of an \
-             enrolled pod hidden behind IPv6 extension headers or in a truncated fragment)",
+             the proxy's sockets, same_node (new connections into an enrolled pod from this \
+             node turned back to the inbound listeners), drops for no_listener, assign_failed, \
+             malformed (TCP of an enrolled pod hidden behind IPv6 extension headers or in a \
+             truncated fragment), or unattached (a new connection into an enrolled pod from a \
+             pod veth without the pod classifier)",
             m.packets.clone(),
         );
         m
     }
+}
+
+/// One classifier attached to an interface.
+struct Link {
+    program: &'static str,
+    how: Attached,
 }
 
 /// How a classifier is attached to an interface.
@@ -278,7 +329,7 @@ enum Attached {
 
 struct Inner {
     bpf: aya::Ebpf,
-    links: BTreeMap<String, (Role, Attached)>,
+    links: BTreeMap<String, (Role, Vec<Link>)>,
     pods: BTreeSet<IpAddr>,
     /// Per-CPU counter totals already added to the metrics.
     seen: [u64; STAT_NAMES.len()],
@@ -306,12 +357,24 @@ impl EbpfRedirect {
     /// Loads the classifiers and maps and installs the policy route in the calling thread's
     /// network namespace. Fails with [`EbpfError::Unavailable`] (which says what to use instead)
     /// when the kernel or the capabilities do not allow it.
+    /// `own_mark`: the socket mark of the proxy's dials toward applications (`socket_mark`),
+    /// which the pod egress classifier lets through; it must not be 0.
     pub fn load(
         listeners: Listeners<'_>,
         hbone_port: u16,
+        own_mark: u32,
         metrics: RedirectMetrics,
         pin: PinMode,
     ) -> Result<EbpfRedirect, EbpfError> {
+        if own_mark == 0 {
+            return Err(EbpfError::Unavailable {
+                what: "socket_mark",
+                detail: "it is 0, and the classifier that captures connections into enrolled \
+                    pods tells the proxy's own connections by that mark (set socket_mark, \
+                    default 0x539)"
+                    .into(),
+            });
+        }
         let mut bpf = match &pin {
             PinMode::FailClosed(dir) => {
                 prepare_pin_dir(dir)?;
@@ -326,12 +389,12 @@ impl EbpfRedirect {
                     .map_err(|e| unavailable("loading the eBPF object (maps)", &e))?
             }
         };
-        for role in [Role::Pod, Role::Uplink] {
+        for name in PROGRAMS {
             let prog: &mut SchedClassifier = bpf
-                .program_mut(role.program())
+                .program_mut(name)
                 .ok_or(EbpfError::Unavailable {
                     what: "loading the eBPF object",
-                    detail: format!("program {} missing", role.program()),
+                    detail: format!("program {name} missing"),
                 })?
                 .try_into()
                 .map_err(|e| unavailable("loading the classifiers", &e))?;
@@ -361,6 +424,18 @@ impl EbpfRedirect {
                 .map_err(map_err("mbt_config"))?;
             cfg.set(CONFIG_MARK, MARK, 0).map_err(map_err("mbt_config"))?;
             cfg.set(CONFIG_HBONE_PORT, u32::from(hbone_port), 0).map_err(map_err("mbt_config"))?;
+            cfg.set(CONFIG_OWN_MARK, own_mark, 0).map_err(map_err("mbt_config"))?;
+        }
+        {
+            let mut bypass: BpfHashMap<_, [u8; 16], u32> =
+                BpfHashMap::try_from(bpf.map_mut("mbt_bypass").ok_or(EbpfError::Map {
+                    map: "mbt_bypass",
+                    detail: "missing from the object".into(),
+                })?)
+                .map_err(map_err("mbt_bypass"))?;
+            for ip in PROBE_SOURCES {
+                bypass.insert(pod_key(ip), 1, 0).map_err(map_err("mbt_bypass"))?;
+            }
         }
         let here = netns::open(std::path::Path::new("/proc/thread-self/ns/net")).map_err(|e| {
             EbpfError::Unavailable {
@@ -382,13 +457,20 @@ impl EbpfRedirect {
         if let PinMode::FailClosed(dir) = &pin {
             // What a previous proxy left: its links stay until their interfaces are attached
             // again, its enrolled pods stay enrolled.
-            for (iface, role, path) in pinned_links(dir) {
+            for (iface, role, program, path) in pinned_links(dir) {
                 tracing::info!(
                     iface,
                     role = role.name(),
+                    program,
                     "eBPF classifier inherited from a previous proxy"
                 );
-                inner.links.insert(iface, (role, Attached::Pinned { path, inherited: true }));
+                let how = Attached::Pinned { path, inherited: true };
+                inner
+                    .links
+                    .entry(iface)
+                    .or_insert((role, Vec::new()))
+                    .1
+                    .push(Link { program, how });
             }
             let keys: Vec<[u8; 16]> =
                 Self::pods_map(&mut inner)?.keys().filter_map(Result::ok).collect();
@@ -436,89 +518,123 @@ impl EbpfRedirect {
         }
     }
 
-    /// Attaches the classifier for `role` to `iface` (tc ingress). Attaching an interface again
-    /// with the same role does nothing, except to an interface whose link a previous proxy left
-    /// (fail closed): this proxy's classifier replaces it.
+    /// Attaches the classifiers of `role` to `iface` (pod: ingress and egress; uplink:
+    /// ingress). Attaching an interface again with the same role does nothing, except to an
+    /// interface whose links a previous proxy left (fail closed): this proxy's classifiers
+    /// replace them. A pod interface gets `accept_local=1` and `rp_filter=0`, so that the
+    /// connections its egress classifier turns back (whose sources may be this node's own
+    /// addresses or pods behind other interfaces) are delivered to the proxy; with the node's
+    /// `net.ipv4.conf.all.rp_filter` not 0 they are dropped instead (closed, logged).
     pub fn attach(&self, iface: &str, role: Role) -> Result<(), EbpfError> {
         let mut inner = self.inner.lock().unwrap();
-        let mut replaces = None;
-        if let Some((r, a)) = inner.links.get(iface) {
+        let mut replaces = Vec::new();
+        if let Some((r, links)) = inner.links.get(iface) {
             if *r != role {
                 return Err(EbpfError::AttachedAs { iface: iface.into(), role: *r });
             }
-            match a {
-                Attached::Pinned { path, inherited: true } => replaces = Some(path.clone()),
-                _ => return Ok(()),
+            let inherited: Vec<PathBuf> = links
+                .iter()
+                .filter_map(|l| match &l.how {
+                    Attached::Pinned { path, inherited: true } => Some(path.clone()),
+                    _ => None,
+                })
+                .collect();
+            if inherited.is_empty() && links.len() == role.hooks().len() {
+                return Ok(());
             }
+            replaces = inherited;
         }
         let attach_err = |detail: String| EbpfError::Attach { iface: iface.into(), detail };
-        let prog: &mut SchedClassifier = inner
-            .bpf
-            .program_mut(role.program())
-            .ok_or_else(|| attach_err("program missing".into()))?
-            .try_into()
-            .map_err(|e| attach_err(chain(&e)))?;
+        if role == Role::Pod {
+            same_node_sysctls(iface).map_err(|e| attach_err(e.to_string()))?;
+        }
         // tcx (Linux >= 6.6) needs no qdisc; the netlink path before it needs clsact.
         if KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(6, 6, 0)) {
             let _ = tc::qdisc_add_clsact(iface);
         }
-        let id = prog.attach(iface, TcAttachType::Ingress).map_err(|e| attach_err(chain(&e)))?;
-        let attached = match &self.pin {
-            PinMode::FailOpen(_) => Attached::Owned(id),
-            PinMode::FailClosed(dir) => {
-                let link = prog.take_link(id).map_err(|e| attach_err(chain(&e)))?;
-                match FdLink::try_from(link) {
-                    Ok(fd) => {
-                        let path = link_path(dir, role, iface);
-                        // The predecessor's link goes only once ours is attached: the interface
-                        // is never without a classifier.
-                        if let Some(old) = &replaces {
-                            unpin_link(old);
+        let mut links = Vec::new();
+        for hook in role.hooks() {
+            let prog: &mut SchedClassifier = inner
+                .bpf
+                .program_mut(hook.program)
+                .ok_or_else(|| attach_err("program missing".into()))?
+                .try_into()
+                .map_err(|e| attach_err(chain(&e)))?;
+            let id = prog.attach(iface, hook.direction).map_err(|e| attach_err(chain(&e)))?;
+            let how = match &self.pin {
+                PinMode::FailOpen(_) => Attached::Owned(id),
+                PinMode::FailClosed(dir) => {
+                    let link = prog.take_link(id).map_err(|e| attach_err(chain(&e)))?;
+                    match FdLink::try_from(link) {
+                        Ok(fd) => {
+                            let path = link_path(dir, hook.pin_prefix, role, iface);
+                            let _ = std::fs::remove_file(&path);
+                            fd.pin(&path)
+                                .map_err(|e| attach_err(format!("pinning its link: {e}")))?;
+                            Attached::Pinned { path, inherited: false }
                         }
-                        let _ = std::fs::remove_file(&path);
-                        fd.pin(&path).map_err(|e| attach_err(format!("pinning its link: {e}")))?;
-                        Attached::Pinned { path, inherited: false }
-                    }
-                    Err(e) => {
-                        // Netlink attachments (kernels without tcx) cannot be pinned.
-                        tracing::warn!(iface, error = %chain(&e),
-                            "this kernel has no tcx links (Linux < 6.6): the classifier cannot \
-                             outlive the proxy, so this interface fails open when it exits");
-                        return Err(attach_err(
-                            "fail-closed mode needs tcx links (Linux >= 6.6); \
-                            set ebpf_fail_closed: false on this kernel"
-                                .into(),
-                        ));
+                        Err(e) => {
+                            // Netlink attachments (kernels without tcx) cannot be pinned.
+                            tracing::warn!(iface, error = %chain(&e),
+                                "this kernel has no tcx links (Linux < 6.6): the classifier \
+                                 cannot outlive the proxy, so this interface fails open when it \
+                                 exits");
+                            return Err(attach_err(
+                                "fail-closed mode needs tcx links (Linux >= 6.6); \
+                                set ebpf_fail_closed: false on this kernel"
+                                    .into(),
+                            ));
+                        }
                     }
                 }
-            }
-        };
-        inner.links.insert(iface.into(), (role, attached));
+            };
+            links.push(Link { program: hook.program, how });
+        }
+        // The predecessor's links go only once ours are attached: the interface is never
+        // without a classifier. (A pin file ours just replaced is already ours.)
+        let ours: Vec<PathBuf> = links
+            .iter()
+            .filter_map(|l| match &l.how {
+                Attached::Pinned { path, .. } => Some(path.clone()),
+                Attached::Owned(_) => None,
+            })
+            .collect();
+        for old in replaces.iter().filter(|p| !ours.contains(p)) {
+            unpin_link(old);
+        }
+        inner.links.insert(iface.into(), (role, links));
         self.metrics.interfaces.set(inner.links.len() as i64);
-        tracing::info!(iface, role = ?role, replaced_inherited = replaces.is_some(), "eBPF classifier attached");
+        tracing::info!(iface, role = ?role, replaced_inherited = !replaces.is_empty(), "eBPF classifiers attached");
         Ok(())
     }
 
-    /// Detaches the classifier from `iface` (this proxy's, or one a previous proxy pinned).
+    /// Detaches the classifiers from `iface` (this proxy's, or those a previous proxy pinned).
     pub fn detach(&self, iface: &str) -> Result<(), EbpfError> {
         let mut inner = self.inner.lock().unwrap();
-        let (role, attached) =
+        let (role, links) =
             inner.links.remove(iface).ok_or_else(|| EbpfError::NotAttached(iface.into()))?;
         self.metrics.interfaces.set(inner.links.len() as i64);
-        match attached {
-            Attached::Pinned { path, .. } => unpin_link(&path),
-            Attached::Owned(id) => {
-                let prog: &mut SchedClassifier = inner
-                    .bpf
-                    .program_mut(role.program())
-                    .ok_or_else(|| EbpfError::NotAttached(iface.into()))?
-                    .try_into()
-                    .map_err(|e| EbpfError::Attach { iface: iface.into(), detail: chain(&e) })?;
-                prog.detach(id)
-                    .map_err(|e| EbpfError::Attach { iface: iface.into(), detail: chain(&e) })?;
+        for link in links {
+            match link.how {
+                Attached::Pinned { path, .. } => unpin_link(&path),
+                Attached::Owned(id) => {
+                    let prog: &mut SchedClassifier = inner
+                        .bpf
+                        .program_mut(link.program)
+                        .ok_or_else(|| EbpfError::NotAttached(iface.into()))?
+                        .try_into()
+                        .map_err(|e| EbpfError::Attach {
+                            iface: iface.into(),
+                            detail: chain(&e),
+                        })?;
+                    prog.detach(id).map_err(|e| EbpfError::Attach {
+                        iface: iface.into(),
+                        detail: chain(&e),
+                    })?;
+                }
             }
         }
-        tracing::info!(iface, role = ?role, "eBPF classifier detached");
+        tracing::info!(iface, role = ?role, "eBPF classifiers detached");
         Ok(())
     }
 
@@ -591,11 +707,12 @@ impl EbpfRedirect {
         let stats = Self::stats(&mut inner).ok();
         json!({
             "mode": "ebpf",
-            "interfaces": inner.links.iter().map(|(i, (r, a))| json!({
+            "interfaces": inner.links.iter().map(|(i, (r, links))| json!({
                 "iface": i,
                 "role": r,
-                "pinned": matches!(a, Attached::Pinned { .. }),
-                "inherited": matches!(a, Attached::Pinned { inherited: true, .. }),
+                "programs": links.iter().map(|l| l.program).collect::<Vec<_>>(),
+                "pinned": links.iter().all(|l| matches!(l.how, Attached::Pinned { .. })),
+                "inherited": links.iter().any(|l| matches!(l.how, Attached::Pinned { inherited: true, .. })),
             })).collect::<Vec<_>>(),
             "fail_closed": matches!(self.pin, PinMode::FailClosed(_)),
             "pin_dir": self.pin.dir().display().to_string(),
@@ -607,25 +724,50 @@ impl EbpfRedirect {
     }
 }
 
-/// The pin file of the link attaching `role` to `iface`.
-fn link_path(dir: &Path, role: Role, iface: &str) -> PathBuf {
-    dir.join(format!("link-{}-{iface}", role.name()))
+/// The pin file of the link attaching `role`'s classifier with pin prefix `prefix` to `iface`
+/// (`link-<role>-<iface>` for ingress, `egress-<role>-<iface>` for egress).
+fn link_path(dir: &Path, prefix: &str, role: Role, iface: &str) -> PathBuf {
+    dir.join(format!("{prefix}-{}-{iface}", role.name()))
 }
 
-/// Links pinned in `dir` by a previous proxy: (interface, role, path).
-fn pinned_links(dir: &Path) -> Vec<(String, Role, PathBuf)> {
+/// Links pinned in `dir` by a previous proxy: (interface, role, program, path).
+fn pinned_links(dir: &Path) -> Vec<(String, Role, &'static str, PathBuf)> {
     let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
     let mut v = Vec::new();
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(rest) = name.strip_prefix("link-") else { continue };
+        let Some((prefix, rest)) = name.split_once('-') else { continue };
         let Some((role, iface)) = rest.split_once('-') else { continue };
-        if let Ok(role) = role.parse::<Role>() {
-            v.push((iface.to_string(), role, e.path()));
+        let Ok(role) = role.parse::<Role>() else { continue };
+        if let Some(h) = role.hooks().iter().find(|h| h.pin_prefix == prefix) {
+            v.push((iface.to_string(), role, h.program, e.path()));
         }
     }
     v.sort();
     v
+}
+
+/// Lets a pod interface deliver what its egress classifier turns back (IPv4: sources that are
+/// this node's own addresses need `accept_local`, sources behind other interfaces need the
+/// reverse-path filter off). Warns when the node-wide filter overrides it.
+fn same_node_sysctls(iface: &str) -> std::io::Result<()> {
+    let conf = Path::new("/proc/sys/net/ipv4/conf");
+    if !conf.join(iface).exists() {
+        return Ok(()); // no IPv4 on it
+    }
+    std::fs::write(conf.join(iface).join("accept_local"), "1")?;
+    std::fs::write(conf.join(iface).join("rp_filter"), "0")?;
+    let all = std::fs::read_to_string(conf.join("all/rp_filter")).unwrap_or_default();
+    if all.trim() != "0" {
+        tracing::warn!(
+            iface,
+            all_rp_filter = all.trim(),
+            "net.ipv4.conf.all.rp_filter is not 0: connections into enrolled pods from this \
+             node (other pods, hostNetwork pods, node processes) are dropped by the kernel \
+             instead of reaching the proxy; set it to 0 for them to be proxied"
+        );
+    }
+    Ok(())
 }
 
 /// Removes a pinned link: the classifier it attached is detached.
@@ -677,7 +819,7 @@ fn fs_type_of(mountinfo: &str, path: &Path) -> Option<String> {
 /// nothing of it keeps dropping pods' connections.
 fn remove_pinned(dir: &Path) {
     let links = pinned_links(dir);
-    for (iface, _, path) in &links {
+    for (iface, _, _, path) in &links {
         tracing::info!(iface, "removing an eBPF classifier a fail-closed proxy pinned");
         unpin_link(path);
     }
@@ -715,8 +857,37 @@ mod tests {
         assert_eq!(fs_type_of(info, Path::new("/sys/fs/bpf/mbtunnel")).as_deref(), Some("bpf"));
         assert_eq!(fs_type_of(info, Path::new("/sys/fs/bpfx")).as_deref(), Some("sysfs"));
         assert_eq!(fs_type_of(info, Path::new("/tmp/x")).as_deref(), Some("ext4"));
-        let link = link_path(Path::new("/p"), Role::Uplink, "eth0");
+        let link = link_path(Path::new("/p"), "link", Role::Uplink, "eth0");
         assert_eq!(link, Path::new("/p/link-uplink-eth0"));
+    }
+
+    #[test]
+    fn pinned_links_name_their_role_and_direction() {
+        let dir = std::env::temp_dir().join(format!("mbt-pins-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for name in [
+            "link-pod-veth1",
+            "egress-pod-veth1",
+            "link-uplink-eth0",
+            "egress-uplink-x",
+            "mbt_pods",
+        ] {
+            std::fs::write(dir.join(name), "").unwrap();
+        }
+        let got: Vec<_> = pinned_links(&dir).into_iter().map(|(i, r, p, _)| (i, r, p)).collect();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(
+            got,
+            [
+                ("eth0".to_string(), Role::Uplink, "mbt_from_uplink"),
+                ("veth1".to_string(), Role::Pod, "mbt_from_pod"),
+                ("veth1".to_string(), Role::Pod, "mbt_to_pod"),
+            ]
+        );
+        assert_eq!(
+            link_path(Path::new("/p"), "egress", Role::Pod, "veth1"),
+            Path::new("/p/egress-pod-veth1")
+        );
     }
 
     #[test]
@@ -733,10 +904,10 @@ mod tests {
     fn object_holds_both_classifiers_and_maps() {
         // Parsing needs no privileges: the embedded object is what build.rs compiled.
         let obj = aya_obj::Object::parse(OBJECT).expect("valid eBPF object");
-        for p in ["mbt_from_pod", "mbt_from_uplink"] {
+        for p in PROGRAMS {
             assert!(obj.programs.contains_key(p), "program {p} in the object");
         }
-        for m in ["mbt_listeners", "mbt_pods", "mbt_config", "mbt_stats"] {
+        for m in MAP_NAMES {
             assert!(obj.maps.contains_key(m), "map {m} in the object");
         }
     }
