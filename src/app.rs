@@ -399,17 +399,27 @@ fn endpoints(
     what: &str,
     headers: &std::collections::BTreeMap<String, crate::config::Secret>,
 ) -> anyhow::Result<Endpoints> {
+    if let Some(e) = cfg.plaintext_token_error() {
+        anyhow::bail!(e);
+    }
     let roots_pem = crate::grpc::load_roots(roots).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
     Ok(Endpoints {
         address: address.to_string(),
         roots_pem,
-        token: token_source(cfg),
+        token: token_source(cfg, address),
         cluster_id: cfg.cluster_id.clone(),
         headers: headers.clone(),
     })
 }
 
-fn token_source(cfg: &Config) -> TokenSource {
+/// The token `address`'s calls carry: the fixed one, else the token file (re-read at every
+/// call). A plaintext address carries none: start-up refused a token with one
+/// ([`Config::plaintext_token_error`]), and a token file that appears later is not sent in clear.
+fn token_source(cfg: &Config, address: &str) -> TokenSource {
+    if crate::config::is_plaintext(address) {
+        tracing::warn!(%address, "control plane over plaintext: no token is sent (local development only)");
+        return TokenSource::None;
+    }
     match &cfg.auth_token {
         Some(t) => TokenSource::Static(t.clone()),
         None => TokenSource::File(cfg.auth_token_file.clone()),
