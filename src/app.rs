@@ -491,15 +491,33 @@ impl Running {
 
     /// Stops accepting, sends GOAWAY on HBONE connections, waits for in-flight connections up to
     /// the drain deadline. Returns how many were still open.
+    ///
+    /// Every HBONE connection, inbound and pooled, ends with GOAWAY then TLS close_notify before
+    /// its socket closes, and the drain waits for that too: inbound ones once their streams have
+    /// finished, pooled ones (let go by the pool) once their last tunnel has.
     pub async fn shutdown(self) -> usize {
-        tracing::info!(active = self.ctx.drain.active(), "draining");
-        self.ctx.drain.start();
-        let left = self.ctx.drain.wait_idle(self.drain_timeout).await;
+        let drain = &self.ctx.drain;
+        tracing::info!(
+            active = drain.active(),
+            hbone_inbound = drain.hbone_open(),
+            hbone_pooled = self.ctx.pool.open_connections(),
+            "draining"
+        );
+        let end = tokio::time::Instant::now() + self.drain_timeout;
+        drain.start();
+        self.ctx.pool.drain();
+        let mut left = drain.wait_idle(self.drain_timeout).await;
+        left += drain.wait_hbone_closed(end).await;
+        left += self.ctx.pool.wait_closed(end).await;
         if left > 0 {
             tracing::warn!(left, "drain deadline reached; resetting remaining connections");
             // Reset, not FIN: an application must be able to tell a cut from a complete answer.
-            self.ctx.drain.cut_all();
-            self.ctx.drain.wait_idle(Duration::from_secs(1)).await;
+            // HBONE connections still end with close_notify once their streams are cut.
+            drain.cut_all();
+            drain.wait_idle(Duration::from_secs(1)).await;
+            let end = tokio::time::Instant::now() + Duration::from_secs(1);
+            drain.wait_hbone_closed(end).await;
+            self.ctx.pool.wait_closed(end).await;
         } else {
             tracing::info!("drained");
         }

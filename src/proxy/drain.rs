@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{watch, Notify};
 
 use super::Stop;
+use crate::hbone::{Live, LiveGuard};
 
 /// Shutdown coordination: a trigger, watchers, and a count of in-flight connections.
 #[derive(Clone)]
@@ -19,6 +20,8 @@ pub struct Drain {
     cut: Arc<watch::Sender<bool>>,
     active: Arc<AtomicUsize>,
     idle: Arc<Notify>,
+    /// Inbound HBONE connections not yet closed (their GOAWAY and close_notify unsent).
+    hbone: Live,
 }
 
 impl Default for Drain {
@@ -28,6 +31,7 @@ impl Default for Drain {
             cut: Arc::new(watch::channel(false).0),
             active: Arc::new(AtomicUsize::new(0)),
             idle: Arc::new(Notify::new()),
+            hbone: Live::default(),
         }
     }
 }
@@ -72,6 +76,22 @@ impl Drain {
     pub fn guard(&self) -> DrainGuard {
         self.active.fetch_add(1, Ordering::AcqRel);
         DrainGuard(self.clone())
+    }
+
+    /// Held by an inbound HBONE connection from its TLS handshake until its socket is closed.
+    pub fn hbone_connection(&self) -> LiveGuard {
+        self.hbone.enter()
+    }
+
+    /// Inbound HBONE connections still open.
+    pub fn hbone_open(&self) -> usize {
+        self.hbone.count()
+    }
+
+    /// Waits until every inbound HBONE connection has closed, or `until`; returns how many
+    /// are left.
+    pub async fn wait_hbone_closed(&self, until: tokio::time::Instant) -> usize {
+        self.hbone.wait_closed(until).await
     }
 
     pub fn active(&self) -> usize {
