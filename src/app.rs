@@ -400,17 +400,27 @@ fn endpoints(
     what: &str,
     headers: &std::collections::BTreeMap<String, crate::config::Secret>,
 ) -> anyhow::Result<Endpoints> {
+    if let Some(e) = cfg.plaintext_token_error() {
+        anyhow::bail!(e);
+    }
     let roots_pem = crate::grpc::load_roots(roots).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
     Ok(Endpoints {
         address: address.to_string(),
         roots_pem,
-        token: token_source(cfg),
+        token: token_source(cfg, address),
         cluster_id: cfg.cluster_id.clone(),
         headers: headers.clone(),
     })
 }
 
-fn token_source(cfg: &Config) -> TokenSource {
+/// The token `address`'s calls carry: the fixed one, else the token file (re-read at every
+/// call). A plaintext address carries none: start-up refused a token with one
+/// ([`Config::plaintext_token_error`]), and a token file that appears later is not sent in clear.
+fn token_source(cfg: &Config, address: &str) -> TokenSource {
+    if crate::config::is_plaintext(address) {
+        tracing::warn!(%address, "control plane over plaintext: no token is sent (local development only)");
+        return TokenSource::None;
+    }
     match &cfg.auth_token {
         Some(t) => TokenSource::Static(t.clone()),
         None => TokenSource::File(cfg.auth_token_file.clone()),
@@ -482,15 +492,33 @@ impl Running {
 
     /// Stops accepting, sends GOAWAY on HBONE connections, waits for in-flight connections up to
     /// the drain deadline. Returns how many were still open.
+    ///
+    /// Every HBONE connection, inbound and pooled, ends with GOAWAY then TLS close_notify before
+    /// its socket closes, and the drain waits for that too: inbound ones once their streams have
+    /// finished, pooled ones (let go by the pool) once their last tunnel has.
     pub async fn shutdown(self) -> usize {
-        tracing::info!(active = self.ctx.drain.active(), "draining");
-        self.ctx.drain.start();
-        let left = self.ctx.drain.wait_idle(self.drain_timeout).await;
+        let drain = &self.ctx.drain;
+        tracing::info!(
+            active = drain.active(),
+            hbone_inbound = drain.hbone_open(),
+            hbone_pooled = self.ctx.pool.open_connections(),
+            "draining"
+        );
+        let end = tokio::time::Instant::now() + self.drain_timeout;
+        drain.start();
+        self.ctx.pool.drain();
+        let mut left = drain.wait_idle(self.drain_timeout).await;
+        left += drain.wait_hbone_closed(end).await;
+        left += self.ctx.pool.wait_closed(end).await;
         if left > 0 {
             tracing::warn!(left, "drain deadline reached; resetting remaining connections");
             // Reset, not FIN: an application must be able to tell a cut from a complete answer.
-            self.ctx.drain.cut_all();
-            self.ctx.drain.wait_idle(Duration::from_secs(1)).await;
+            // HBONE connections still end with close_notify once their streams are cut.
+            drain.cut_all();
+            drain.wait_idle(Duration::from_secs(1)).await;
+            let end = tokio::time::Instant::now() + Duration::from_secs(1);
+            drain.wait_hbone_closed(end).await;
+            self.ctx.pool.wait_closed(end).await;
         } else {
             tracing::info!("drained");
         }

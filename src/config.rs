@@ -437,8 +437,15 @@ impl Config {
         if let Some(v) = get(env::CA_ROOT_CA).and_then(nonempty) {
             self.ca_root_ca = v;
         }
+        // As ztunnel reads it: a path when that file exists (re-read at every call, since
+        // projected tokens rotate), else the token itself.
         if let Some(v) = get(env::AUTH_TOKEN).and_then(nonempty) {
-            self.auth_token = Some(Secret(v));
+            if Path::new(&v).exists() {
+                self.auth_token_file = v.into();
+                self.auth_token = None;
+            } else {
+                self.auth_token = Some(Secret(v));
+            }
         }
         if let Some(v) = get(env::AUTH_TOKEN_FILE).and_then(nonempty) {
             self.auth_token_file = v.into();
@@ -493,6 +500,31 @@ impl Config {
     /// The CA endpoint in use: `ca_address`, else `xds_address`.
     pub fn effective_ca_address(&self) -> Option<&str> {
         self.ca_address.as_deref().or(self.xds_address.as_deref())
+    }
+
+    /// A bearer token is configured: the fixed one, or a token file that exists.
+    pub fn has_token(&self) -> bool {
+        self.auth_token.is_some() || self.auth_token_file.exists()
+    }
+
+    /// Why the settings would send the bearer token in clear: a control-plane address is
+    /// plaintext (`http://`) while a token is configured. Plaintext without a token is allowed
+    /// (local development); the calls then carry no `authorization`.
+    pub fn plaintext_token_error(&self) -> Option<String> {
+        let ca = self.ca_address.as_ref().map(|a| ("ca_address", a));
+        let xds = self.xds_address.as_ref().map(|a| ("xds_address", a));
+        let (name, addr) = xds.into_iter().chain(ca).find(|(_, a)| is_plaintext(a))?;
+        if !self.has_token() {
+            return None;
+        }
+        let token = match &self.auth_token {
+            Some(_) => "the fixed token (AUTH_TOKEN)".to_string(),
+            None => format!("the token in {}", self.auth_token_file.display()),
+        };
+        Some(format!(
+            "{name} '{addr}' is plaintext (http://) and {token} would be sent in clear: use \
+             https://, or remove the token for a local control plane without authentication"
+        ))
     }
 
     /// What the mesh-state store needs from the configuration.
@@ -626,6 +658,9 @@ impl Config {
                 }
             }
         }
+        if let Some(e) = self.plaintext_token_error() {
+            return bad(e);
+        }
         let mut uids = std::collections::HashSet::new();
         let mut ips = BTreeMap::new();
         for w in &self.workloads {
@@ -660,6 +695,11 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// A control-plane address without TLS.
+pub fn is_plaintext(address: &str) -> bool {
+    address.get(..7).is_some_and(|s| s.eq_ignore_ascii_case("http://"))
 }
 
 /// Parses a duration as Go and Istio write them: `24h`, `90m`, `1h30m`, `3600s`, or a bare
@@ -733,6 +773,79 @@ xds_headers: {k: v}
         );
         let c = c.unwrap();
         assert_eq!((c.auth_token.unwrap().expose(), c.xds_headers["k"].expose()), ("abc", "v"));
+    }
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("mbtunnel-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn auth_token_naming_an_existing_file_is_read_from_it_at_every_call() {
+        let dir = temp_dir("token-file");
+        let path = dir.join("istio-token");
+        std::fs::write(&path, "jwt-first").unwrap();
+        let mut c = Config::default();
+        let p = path.to_str().unwrap().to_string();
+        c.apply_env(|k| (k == env::AUTH_TOKEN).then(|| p.clone())).unwrap();
+        assert!(c.auth_token.is_none(), "the path is not the token");
+        assert_eq!(c.auth_token_file, path);
+        let ep = |c: &Config| crate::grpc::TokenSource::File(c.auth_token_file.clone());
+        assert_eq!(ep(&c).read().unwrap().as_deref(), Some("jwt-first"));
+        // Projected tokens rotate: the next call reads the new one.
+        std::fs::write(&path, "jwt-second").unwrap();
+        assert_eq!(ep(&c).read().unwrap().as_deref(), Some("jwt-second"));
+        // As ztunnel: an empty token file is an error, not a call without a token.
+        std::fs::write(&path, "").unwrap();
+        assert!(ep(&c).read().unwrap_err().contains("empty"));
+        // A value that names no file is the token itself.
+        let missing = dir.join("absent").to_str().unwrap().to_string();
+        let mut c = Config::default();
+        c.apply_env(|k| (k == env::AUTH_TOKEN).then(|| missing.clone())).unwrap();
+        assert_eq!(c.auth_token.as_ref().map(Secret::expose), Some(missing.as_str()));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_token_with_a_plaintext_control_plane_is_refused() {
+        let dir = temp_dir("token-plaintext");
+        let file = dir.join("istio-token");
+        let base = || Config { auth_token_file: dir.join("not-mounted"), ..Config::default() };
+        // Plaintext without a token: local development, allowed.
+        let c = Config { xds_address: Some("http://127.0.0.1:15010".into()), ..base() };
+        assert_eq!(c.plaintext_token_error(), None);
+        c.validate().unwrap();
+        // A fixed token over plaintext, for xDS or for the CA alone.
+        for (xds, ca) in [
+            (Some("http://127.0.0.1:15010"), None),
+            (Some("https://istiod:15012"), Some("http://127.0.0.1:15010")),
+            (None, Some("http://127.0.0.1:15010")),
+        ] {
+            let c = Config {
+                xds_address: xds.map(String::from),
+                ca_address: ca.map(String::from),
+                auth_token: Some(Secret::new("tok-5e1d")),
+                ..base()
+            };
+            let e = c.validate().unwrap_err().to_string();
+            assert!(e.contains("plaintext") && e.contains("AUTH_TOKEN"), "{e}");
+            assert!(!e.contains("tok-5e1d"), "the token is not shown: {e}");
+        }
+        // A token file that exists counts as a token too.
+        std::fs::write(&file, "jwt").unwrap();
+        let c = Config {
+            xds_address: Some("http://127.0.0.1:15010".into()),
+            auth_token_file: file.clone(),
+            ..Config::default()
+        };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains(&file.display().to_string()), "{e}");
+        // TLS with a token is the normal case.
+        let c = Config { xds_address: Some("https://istiod:15012".into()), ..c };
+        c.validate().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

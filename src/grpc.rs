@@ -33,9 +33,15 @@ impl TokenSource {
     /// The token, trimmed: a file ending in a newline is the classic failure.
     pub fn read(&self) -> Result<Option<String>, String> {
         match self {
-            TokenSource::File(p) => std::fs::read_to_string(p)
-                .map(|t| Some(t.trim().to_string()))
-                .map_err(|e| format!("cannot read the token file {}: {e}", p.display())),
+            TokenSource::File(p) => {
+                let t = std::fs::read_to_string(p)
+                    .map_err(|e| format!("cannot read the token file {}: {e}", p.display()))?;
+                // As ztunnel: an empty file is an error, not a call without a token.
+                match t.trim() {
+                    "" => Err(format!("the token file {} is empty", p.display())),
+                    t => Ok(Some(t.to_string())),
+                }
+            }
             TokenSource::Static(t) => Ok(Some(t.expose().trim().to_string())),
             TokenSource::None => Ok(None),
         }

@@ -179,8 +179,9 @@ struct RunArgs {
     #[arg(long)]
     ca_root_ca: Option<String>,
     /// File holding the bearer token sent to istiod, re-read at every call (default
-    /// ./var/run/secrets/tokens/istio-token). A fixed token instead: [env: AUTH_TOKEN].
-    /// [env: MBTUNNEL_AUTH_TOKEN_FILE]
+    /// ./var/run/secrets/tokens/istio-token). AUTH_TOKEN, as ztunnel reads it: a path when
+    /// that file exists, else a fixed token. A token with an http:// xDS or CA address is
+    /// refused at start-up (it would be sent in clear). [env: MBTUNNEL_AUTH_TOKEN_FILE]
     #[arg(long)]
     auth_token_file: Option<PathBuf>,
     /// Cluster id sent to istiod (default Kubernetes). [env: CLUSTER_ID]

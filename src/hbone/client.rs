@@ -46,11 +46,14 @@ impl H2Client {
 
 /// HTTP/2 client handshake over `tls`; the connection is driven by a task of its own, which
 /// pings the peer every [`PING_INTERVAL`] and ends the connection when a pong takes longer than
-/// [`PING_TIMEOUT`], when the peer closes, or when every clone of the client is dropped.
+/// [`PING_TIMEOUT`], when the peer closes, or when every clone of the client is dropped. In the
+/// last case (the pool let it go, and its last tunnel ended) h2 sends GOAWAY and shuts the TLS
+/// stream down, which sends close_notify. The task holds `live` until the socket is closed.
 pub async fn handshake<S: Stream>(
     tls: tokio_boring::SslStream<S>,
     dst: SocketAddr,
     metrics: Arc<Metrics>,
+    live: super::LiveGuard,
 ) -> Result<H2Client, HboneError> {
     let (sender, mut conn) = h2::client::Builder::new()
         .initial_window_size(STREAM_WINDOW)
@@ -74,6 +77,8 @@ pub async fn handshake<S: Stream>(
             }
         }
         flag.store(true, Ordering::Release);
+        drop(conn);
+        drop(live);
     });
     Ok(H2Client { sender, closed })
 }

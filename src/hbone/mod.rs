@@ -12,6 +12,8 @@ pub mod server;
 pub mod stream;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::StatusCode;
@@ -60,5 +62,51 @@ pub enum HboneError {
 impl From<h2::Error> for HboneError {
     fn from(e: h2::Error) -> Self {
         HboneError::H2(e.to_string())
+    }
+}
+
+/// A count of open HBONE connections that a drain can wait on: each connection holds a
+/// [`LiveGuard`] until its GOAWAY and TLS close_notify are sent and its socket is closed.
+#[derive(Clone, Default)]
+pub struct Live(Arc<LiveInner>);
+
+#[derive(Default)]
+struct LiveInner {
+    open: AtomicUsize,
+    none: tokio::sync::Notify,
+}
+
+/// Held by one open HBONE connection.
+pub struct LiveGuard(Live);
+
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        if self.0 .0.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0 .0.none.notify_waiters();
+        }
+    }
+}
+
+impl Live {
+    pub fn enter(&self) -> LiveGuard {
+        self.0.open.fetch_add(1, Ordering::AcqRel);
+        LiveGuard(self.clone())
+    }
+
+    pub fn count(&self) -> usize {
+        self.0.open.load(Ordering::Acquire)
+    }
+
+    /// Waits until no connection is open or `until` passes; returns how many are left.
+    pub async fn wait_closed(&self, until: tokio::time::Instant) -> usize {
+        loop {
+            let none = self.0.none.notified();
+            if self.count() == 0 {
+                return 0;
+            }
+            if tokio::time::timeout_at(until, none).await.is_err() {
+                return self.count();
+            }
+        }
     }
 }

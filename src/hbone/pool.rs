@@ -5,17 +5,19 @@
 //!   (single-flight): the others wait for it, and share its failure if it fails;
 //! - a connection carries at most `pool_max_streams` tunnels; the next caller opens another
 //!   connection instead of queueing behind the peer's stream limit;
-//! - a connection without streams for `pool_idle_timeout` is closed by a timer.
+//! - a connection without streams for `pool_idle_timeout` is closed by a timer;
+//! - on drain ([`Pool::drain`]) the pool lets every connection go: each sends GOAWAY and TLS
+//!   close_notify once its last tunnel has ended, and [`Pool::wait_closed`] waits for that.
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::client::{self, ConnectHeaders, H2Client, Tunnel};
-use super::HboneError;
+use super::{HboneError, Live};
 use crate::identity::Identity;
 use crate::metrics::Metrics;
 use crate::net::netns::Netns;
@@ -108,6 +110,10 @@ pub struct Pool {
     local: OnceLock<LocalConnector>,
     /// Connections in the pool (mirrors the `hbone_pool_connections` gauge).
     size: AtomicUsize,
+    /// Set by [`Pool::drain`]: connections opened from then on are not pooled.
+    draining: AtomicBool,
+    /// Every connection the pool opened whose h2 task still runs, pooled or let go.
+    live: Live,
 }
 
 impl Pool {
@@ -128,6 +134,8 @@ impl Pool {
             keys: Mutex::new(HashMap::new()),
             local: OnceLock::new(),
             size: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
+            live: Live::default(),
         }
     }
 
@@ -202,13 +210,15 @@ impl Pool {
             self.local.get().and_then(|f| f(key.dst, SocketAddr::new(key.src_ip, 0)))
         {
             let tls = self.tls.connect_to(pipe, &key.src_id, &key.dst_id, Some(key.dst)).await?;
-            return self.h2(key, client::handshake(tls, key.dst, self.metrics.clone())).await;
+            let live = self.live.enter();
+            return self.h2(key, client::handshake(tls, key.dst, self.metrics.clone(), live)).await;
         }
         let source = self.transparent.then_some(key.src_ip);
         let opts = DialOpts { mark: self.mark, source, netns, timeout: self.limits.dial_timeout };
         let tcp = dial(key.dst, opts).await.map_err(|e| HboneError::Connect(key.dst, e))?;
         let tls = self.tls.connect_to(tcp, &key.src_id, &key.dst_id, Some(key.dst)).await?;
-        self.h2(key, client::handshake(tls, key.dst, self.metrics.clone())).await
+        let live = self.live.enter();
+        self.h2(key, client::handshake(tls, key.dst, self.metrics.clone(), live)).await
     }
 
     async fn h2(
@@ -261,9 +271,16 @@ impl Pool {
             idle_since: Mutex::new(Instant::now()),
             home: crate::net::workers::current(),
         });
-        kp.conns.lock().unwrap().push(conn.clone());
-        self.size.fetch_add(1, Ordering::AcqRel);
-        self.metrics.hbone_pool_connections.inc();
+        {
+            // Checked under the key's lock, which `drain` takes after setting the flag: a
+            // connection is either pooled before the drain empties the key, or not pooled.
+            let mut conns = kp.conns.lock().unwrap();
+            if !self.draining.load(Ordering::Acquire) {
+                conns.push(conn.clone());
+                self.size.fetch_add(1, Ordering::AcqRel);
+                self.metrics.hbone_pool_connections.inc();
+            }
+        }
         Ok(Lease { conn })
     }
 
@@ -281,6 +298,34 @@ impl Pool {
             self.size.fetch_sub(removed, Ordering::AcqRel);
             self.metrics.hbone_pool_connections.dec_by(removed as i64);
         }
+    }
+
+    /// Shutdown: lets every pooled connection go and pools none from now on. A connection
+    /// without tunnels sends GOAWAY and close_notify at once; one with tunnels when its last
+    /// ends (dropping the last handle on an h2 client connection closes it that way).
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::Release);
+        let keys = std::mem::take(&mut *self.keys.lock().unwrap());
+        let mut removed = 0;
+        for kp in keys.values() {
+            removed += std::mem::take(&mut *kp.conns.lock().unwrap()).len();
+        }
+        if removed > 0 {
+            self.size.fetch_sub(removed, Ordering::AcqRel);
+            self.metrics.hbone_pool_connections.dec_by(removed as i64);
+        }
+        tracing::debug!(released = removed, open = self.live.count(), "HBONE pool drained");
+    }
+
+    /// Connections opened by the pool that are not closed yet (pooled or let go).
+    pub fn open_connections(&self) -> usize {
+        self.live.count()
+    }
+
+    /// Waits until every connection the pool opened has closed, or `until`; returns how many
+    /// are left.
+    pub async fn wait_closed(&self, until: tokio::time::Instant) -> usize {
+        self.live.wait_closed(until).await
     }
 
     /// Opens a tunnel to `target` through the node at `key.dst`. New connections are opened in

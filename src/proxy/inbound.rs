@@ -121,6 +121,9 @@ async fn serve_hbone_pending<S: Stream>(
             }
         };
         tracing::debug!(peer = %peer_id, "mTLS established");
+        // Until the socket is closed: a drain waits for this connection's GOAWAY and
+        // close_notify.
+        let _live = ctx.drain.hbone_connection();
         let peer_id = Arc::new(peer_id);
         let mut tls = tls;
         async {
@@ -170,10 +173,13 @@ async fn serve_hbone_pending<S: Stream>(
                         break;
                     }
                     _ = ctx.drain.signaled(), if !draining => {
-                        // GOAWAY: no new streams; streams in flight finish.
+                        // GOAWAY: no new streams; streams in flight finish, then h2 sends the
+                        // final GOAWAY and shuts TLS down (close_notify), and `accept` ends.
                         draining = true;
                         conn.graceful_shutdown();
                     }
+                    // The drain deadline passed: the streams were cut; close_notify below.
+                    _ = ctx.drain.cut(), if draining => break,
                 }
             }
         }

@@ -3,16 +3,17 @@
 #![forbid(unsafe_code)]
 
 pub mod admission;
+pub mod drain;
 pub mod inbound;
 pub mod outbound;
 pub mod registry;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 
 use crate::hbone::Pool;
 use crate::metrics::{ConnKey, ConnLabels, Metrics};
@@ -22,6 +23,7 @@ use crate::state::State;
 use crate::tls::TlsProvider;
 
 pub use admission::{Pending, PendingHandshakes};
+pub use drain::{drain_cut, Drain, DrainGuard};
 pub use registry::{run_recheck, ConnRegistry, Registered};
 
 /// Everything a connection handler needs.
@@ -60,88 +62,6 @@ impl Ctx {
             source,
             netns,
             timeout: self.limits.dial_timeout,
-        }
-    }
-}
-
-/// Shutdown coordination: a trigger, watchers, and a count of in-flight connections.
-#[derive(Clone)]
-pub struct Drain {
-    tx: Arc<watch::Sender<bool>>,
-    /// Set at the drain deadline: connections still open are cut (reset).
-    cut: Arc<watch::Sender<bool>>,
-    active: Arc<AtomicUsize>,
-    idle: Arc<Notify>,
-}
-
-impl Default for Drain {
-    fn default() -> Self {
-        Drain {
-            tx: Arc::new(watch::channel(false).0),
-            cut: Arc::new(watch::channel(false).0),
-            active: Arc::new(AtomicUsize::new(0)),
-            idle: Arc::new(Notify::new()),
-        }
-    }
-}
-
-/// Held by each in-flight connection.
-pub struct DrainGuard(Drain);
-
-impl Drop for DrainGuard {
-    fn drop(&mut self) {
-        if self.0.active.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
-}
-
-impl Drain {
-    pub fn start(&self) {
-        self.tx.send_replace(true);
-    }
-
-    pub fn is_draining(&self) -> bool {
-        *self.tx.borrow()
-    }
-
-    /// Resolves when draining starts.
-    pub async fn signaled(&self) {
-        let mut rx = self.tx.subscribe();
-        let _ = rx.wait_for(|d| *d).await;
-    }
-
-    /// Cuts every connection still open (the drain deadline passed).
-    pub fn cut_all(&self) {
-        self.cut.send_replace(true);
-    }
-
-    /// Resolves when open connections must be cut.
-    pub async fn cut(&self) {
-        let mut rx = self.cut.subscribe();
-        let _ = rx.wait_for(|c| *c).await;
-    }
-
-    pub fn guard(&self) -> DrainGuard {
-        self.active.fetch_add(1, Ordering::AcqRel);
-        DrainGuard(self.clone())
-    }
-
-    pub fn active(&self) -> usize {
-        self.active.load(Ordering::Acquire)
-    }
-
-    /// Waits until no connection is in flight or `deadline` passes; returns what is left.
-    pub async fn wait_idle(&self, deadline: Duration) -> usize {
-        let end = Instant::now() + deadline;
-        loop {
-            let notified = self.idle.notified();
-            if self.active() == 0 {
-                return 0;
-            }
-            if tokio::time::timeout_at(end.into(), notified).await.is_err() {
-                return self.active();
-            }
         }
     }
 }
@@ -529,14 +449,6 @@ pub async fn relay<A: Leg, B: Leg>(a: &mut A, b: &mut B, stop: Stop<'_>) -> Copi
 /// at each level of `async fn` it goes down, and a relay task's future is copied whole when it
 /// is spawned and when it completes.
 pub type Stop<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = String> + Send + 'a>>;
-
-/// The reason a connection must stop early: the drain deadline passed.
-pub fn drain_cut(drain: &Drain) -> Stop<'_> {
-    Box::pin(async move {
-        drain.cut().await;
-        "cut at the drain deadline".to_string()
-    })
-}
 
 /// Accepts one connection, backing off on errors (EMFILE and the like would otherwise spin):
 /// 5 ms doubling to 1 s while errors repeat. Each error is counted and logged at most once a
