@@ -40,6 +40,13 @@ pub enum CaError {
     Remote { identity: String, message: String },
     #[error("CA answer for {identity} refused: {message}")]
     BadResponse { identity: String, message: String },
+    /// No certificate held: the last request failed and the store waits out its backoff before
+    /// the next (callers never start one themselves).
+    #[error("no certificate for {identity}: the last request failed ({last}); next attempt in {}ms", retry_in.as_millis())]
+    Backoff { identity: String, retry_in: std::time::Duration, last: String },
+    /// No certificate held yet: its request was still in flight when the caller stopped waiting.
+    #[error("no certificate for {identity} yet: its request is still in flight after {}ms", waited.as_millis())]
+    NotYet { identity: String, waited: std::time::Duration },
 }
 
 /// A BoringSSL private key usable by rcgen for signing and as a subject public key.

@@ -1,21 +1,16 @@
 //! Keeps a certificate for every identity of this node's workloads as the mesh state changes:
-//! requests one when a workload appears (retrying with backoff while the CA is unreachable), and
-//! forgets certificates — and through `on_forget` the TLS contexts built on them — when no local
-//! workload uses the identity any more.
+//! asks the store for one when a workload appears, and forgets certificates — and through
+//! `on_forget` the TLS contexts built on them — when no local workload uses the identity any
+//! more. The store owns the requests themselves: one in flight per identity, and after a
+//! failure the next only when its backoff ends (see [`CertStore::request`]).
 
-use std::collections::HashSet;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::sync::Arc;
 
 use tokio::sync::watch;
 
 use super::store::CertStore;
 use super::Identity;
 use crate::state::Store;
-
-/// Retry of a failed first request: doubling from the first to the last.
-const RETRY_FIRST: Duration = Duration::from_millis(200);
-const RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// Runs until the returned future is dropped. `ready` turns true the first time every local
 /// identity holds a certificate once the state's source is complete (`source_ready`: the first
@@ -28,43 +23,19 @@ pub async fn run(
     on_forget: Arc<dyn Fn(&Identity) + Send + Sync>,
 ) {
     let mut changes = state.subscribe();
-    let inflight: Arc<Mutex<HashSet<Identity>>> = Arc::default();
-    let (done_tx, mut done_rx) = watch::channel(0u64);
-    let done_tx = Arc::new(done_tx);
+    let mut slots = certs.changes();
     let mut source_open = true;
     loop {
+        slots.borrow_and_update();
         let want = state.local_identities();
         for id in certs.identities() {
-            if !want.contains(&id) && !inflight.lock().unwrap().contains(&id) && certs.forget(&id) {
+            if !want.contains(&id) && certs.forget(&id) {
                 on_forget(&id);
             }
         }
         for id in &want {
-            if certs.current(id).is_some() || !inflight.lock().unwrap().insert(id.clone()) {
-                continue;
-            }
-            let (state, certs, inflight, done) =
-                (state.clone(), certs.clone(), inflight.clone(), done_tx.clone());
-            let id = id.clone();
-            tokio::spawn(async move {
-                let mut backoff = RETRY_FIRST;
-                loop {
-                    match certs.fetch(&id).await {
-                        Ok(_) => break,
-                        Err(e) => {
-                            if !state.local_identities().contains(&id) {
-                                break;
-                            }
-                            tracing::warn!(identity = %id, error = %e, retry_in_ms = backoff.as_millis() as u64,
-                                "cannot get a certificate for a local workload; retrying");
-                            tokio::time::sleep(backoff).await;
-                            backoff = (backoff * 2).min(RETRY_MAX);
-                        }
-                    }
-                }
-                inflight.lock().unwrap().remove(&id);
-                done.send_modify(|n| *n += 1);
-            });
+            // Nothing new while one is held, in flight or backing off.
+            certs.request(id);
         }
         if !*ready.borrow()
             && *source_ready.borrow_and_update()
@@ -75,7 +46,7 @@ pub async fn run(
         }
         tokio::select! {
             r = changes.changed() => if r.is_err() { return },
-            _ = done_rx.changed() => {}
+            r = slots.changed() => if r.is_err() { return },
             r = source_ready.changed(), if source_open => source_open = r.is_ok(),
         }
     }

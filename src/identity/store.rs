@@ -1,8 +1,9 @@
-//! Certificate store: one certificate and key per identity the node serves, fetched from a
-//! [`CertSource`] on first use (one request per identity however many handshakes wait for it),
-//! renewed at half of its lifetime counted from when it was issued (with jitter and a floor),
-//! retried with backoff while the CA is unreachable — the current certificate keeps serving until
-//! it expires — and forgotten when its workloads leave. Published through `tokio::sync::watch`: a
+//! Certificate store: one certificate and key per identity the node serves, requested from a
+//! [`CertSource`] on first use (one request per identity however many handshakes wait for it;
+//! after a failure, the next only when its backoff ends, however many callers ask), renewed at
+//! half of its lifetime counted from when it was issued (with jitter and a floor), retried with
+//! backoff while the CA is unreachable — the current certificate keeps serving until it
+//! expires — and forgotten when its workloads leave. Published through `tokio::sync::watch`: a
 //! renewal only affects new handshakes; live connections keep the TLS session they have.
 
 use std::collections::HashMap;
@@ -23,6 +24,10 @@ pub const MIN_RENEW_INTERVAL: Duration = Duration::from_secs(10);
 /// Retry after a failed renewal: doubling from the first to the last.
 pub const RETRY_FIRST: Duration = Duration::from_secs(1);
 pub const RETRY_MAX: Duration = Duration::from_secs(60);
+/// Retry after a failed first request (no certificate held yet): doubling from the first to
+/// the last.
+pub const FIRST_RETRY_FIRST: Duration = Duration::from_millis(200);
+pub const FIRST_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// A certificate with its key, as published to TLS.
 pub struct CertBundle {
@@ -74,24 +79,54 @@ impl std::fmt::Debug for CertBundle {
 /// What one identity's channel carries.
 #[derive(Clone, Debug)]
 pub enum Slot {
-    /// The first request is in flight.
+    /// No certificate held yet; the store's request for one is in flight.
     Pending,
     Ready(Arc<CertBundle>),
-    /// The first request failed (waiters get the error; the next fetch tries again).
-    Failed(String),
+    /// No certificate held: the last request failed. The store tries again at `retry_at` (no
+    /// caller can make it try sooner); until then callers get [`CaError::Backoff`].
+    Failed {
+        error: String,
+        retry_at: SystemTime,
+    },
 }
 
 struct Entry {
     tx: watch::Sender<Slot>,
+    /// Ready: when to renew. Failed: when to try again.
     renew_at: SystemTime,
+    /// Consecutive failures (of renewals while Ready, of requests otherwise).
     failures: u32,
+    /// Tells a request's result apart from one for an entry forgotten and made again.
+    generation: u64,
 }
 
-/// Certificate store over a [`CertSource`].
+/// The backoff of an identity forgotten while it had no certificate, so that asking again
+/// (a pod ADD retried, a workload that flaps) resumes it instead of starting a request at once.
+struct Remembered {
+    failures: u32,
+    retry_at: SystemTime,
+    error: String,
+}
+
+/// The wait before the next first request after `failures` consecutive failures.
+pub fn first_retry_after(failures: u32) -> Duration {
+    FIRST_RETRY_FIRST
+        .saturating_mul(1 << failures.clamp(1, 17).saturating_sub(1))
+        .min(FIRST_RETRY_MAX)
+}
+
+/// Certificate store over a [`CertSource`]: the one place that asks the source for
+/// certificates. First requests run on a task of their own (so a caller that stops waiting does
+/// not cancel one), one per identity at a time, and after a failure not before the backoff
+/// ([`FIRST_RETRY_FIRST`] doubling to [`FIRST_RETRY_MAX`]) has passed.
 pub struct CertStore {
     source: Arc<dyn CertSource>,
     entries: Mutex<HashMap<Identity, Entry>>,
+    remembered: Mutex<HashMap<Identity, Remembered>>,
+    generation: std::sync::atomic::AtomicU64,
     changed: tokio::sync::Notify,
+    /// Bumped whenever a slot changes (the manager's readiness wakes on it).
+    version: watch::Sender<u64>,
 }
 
 impl CertStore {
@@ -104,12 +139,25 @@ impl CertStore {
         CertStore {
             source,
             entries: Mutex::new(HashMap::new()),
+            remembered: Mutex::new(HashMap::new()),
+            generation: Default::default(),
             changed: tokio::sync::Notify::new(),
+            version: watch::channel(0).0,
         }
     }
 
     pub fn source(&self) -> &Arc<dyn CertSource> {
         &self.source
+    }
+
+    /// Changes of any identity's slot, as a counter.
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    fn changed(&self) {
+        self.version.send_modify(|v| *v += 1);
+        self.changed.notify_one();
     }
 
     async fn issue(&self, id: &Identity) -> Result<Arc<CertBundle>, CaError> {
@@ -128,28 +176,112 @@ impl CertStore {
         }
     }
 
-    /// The current certificate for `id`, requesting one on first use. Concurrent first uses of
-    /// one identity share a single request.
-    pub async fn fetch(&self, id: &Identity) -> Result<Arc<CertBundle>, CaError> {
-        let existing = {
-            let mut entries = self.entries.lock().unwrap();
-            match entries.get(id) {
-                Some(e) => Some(e.tx.subscribe()),
-                None => {
-                    let (tx, _) = watch::channel(Slot::Pending);
-                    entries.insert(
-                        id.clone(),
-                        Entry { tx, renew_at: SystemTime::UNIX_EPOCH, failures: 0 },
-                    );
-                    None
+    /// Asks for a certificate for `id` and returns its channel without waiting. Starts a
+    /// request only when none is held, none is in flight and no backoff is running: asking
+    /// again, however often, never makes more requests than the backoff allows.
+    pub fn request(self: &Arc<Self>, id: &Identity) -> watch::Receiver<Slot> {
+        let mut entries = self.entries.lock().unwrap();
+        if !entries.contains_key(id) {
+            let generation = self.generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let (tx, _) = watch::channel(Slot::Pending);
+            let mut e = Entry { tx, renew_at: SystemTime::UNIX_EPOCH, failures: 0, generation };
+            match self.remembered.lock().unwrap().remove(id) {
+                // Forgotten during a backoff: the backoff goes on.
+                Some(r) => {
+                    e.failures = r.failures;
+                    e.renew_at = r.retry_at;
+                    e.tx.send_replace(Slot::Failed { error: r.error, retry_at: r.retry_at });
+                }
+                None => self.spawn_attempt(id, generation),
+            }
+            let rx = e.tx.subscribe();
+            entries.insert(id.clone(), e);
+            drop(entries);
+            self.changed();
+            return rx;
+        }
+        let e = entries.get_mut(id).expect("checked above");
+        let due = matches!(&*e.tx.borrow(), Slot::Failed { retry_at, .. } if *retry_at <= SystemTime::now());
+        if due {
+            e.tx.send_replace(Slot::Pending);
+            let generation = e.generation;
+            self.spawn_attempt(id, generation);
+        }
+        let rx = e.tx.subscribe();
+        drop(entries);
+        if due {
+            self.changed();
+        }
+        rx
+    }
+
+    /// One request for an entry that holds no certificate, on a task of its own.
+    fn spawn_attempt(self: &Arc<Self>, id: &Identity, generation: u64) {
+        let (store, id) = (self.clone(), id.clone());
+        tokio::spawn(async move {
+            let r = store.issue(&id).await;
+            let mut entries = store.entries.lock().unwrap();
+            let Some(e) = entries.get_mut(&id).filter(|e| e.generation == generation) else {
+                return;
+            };
+            match r {
+                Ok(b) => {
+                    e.renew_at = b.refresh_at_jittered();
+                    e.failures = 0;
+                    e.tx.send_replace(Slot::Ready(b));
+                }
+                // A renewal made meanwhile may have put a certificate in: it stays.
+                Err(_) if !matches!(&*e.tx.borrow(), Slot::Pending) => return,
+                Err(err) => {
+                    e.failures += 1;
+                    let wait = first_retry_after(e.failures);
+                    let retry_at = SystemTime::now() + wait;
+                    e.renew_at = retry_at;
+                    tracing::warn!(identity = %id, error = %err, failures = e.failures,
+                        retry_in_ms = wait.as_millis() as u64,
+                        "cannot get a certificate; asking again after the backoff");
+                    e.tx.send_replace(Slot::Failed { error: err.to_string(), retry_at });
                 }
             }
-        };
-        let Some(mut rx) = existing else { return self.first_issue(id).await };
+            drop(entries);
+            store.changed();
+        });
+    }
+
+    /// The current certificate for `id`, requested on first use ([`request`](Self::request))
+    /// and waited for while its request is in flight. Concurrent first uses of one identity
+    /// share a single request; during a backoff the answer is [`CaError::Backoff`] at once.
+    pub async fn fetch(self: &Arc<Self>, id: &Identity) -> Result<Arc<CertBundle>, CaError> {
+        let rx = self.request(id);
+        Self::settled(id, rx).await
+    }
+
+    /// [`fetch`](Self::fetch), waiting at most `bound` for a request in flight
+    /// ([`CaError::NotYet`] after that; the request goes on).
+    pub async fn fetch_within(
+        self: &Arc<Self>,
+        id: &Identity,
+        bound: Duration,
+    ) -> Result<Arc<CertBundle>, CaError> {
+        let rx = self.request(id);
+        match tokio::time::timeout(bound, Self::settled(id, rx)).await {
+            Ok(r) => r,
+            Err(_) => Err(CaError::NotYet { identity: id.to_string(), waited: bound }),
+        }
+    }
+
+    async fn settled(
+        id: &Identity,
+        mut rx: watch::Receiver<Slot>,
+    ) -> Result<Arc<CertBundle>, CaError> {
         let slot = rx.wait_for(|s| !matches!(s, Slot::Pending)).await.map(|s| s.clone());
         match slot {
             Ok(Slot::Ready(b)) => Ok(b),
-            Ok(Slot::Failed(message)) => Err(CaError::Remote { identity: id.to_string(), message }),
+            Ok(Slot::Failed { error, retry_at }) => Err(CaError::Backoff {
+                identity: id.to_string(),
+                retry_in: retry_at.duration_since(SystemTime::now()).unwrap_or_default(),
+                last: error,
+            }),
             // Forgotten while pending.
             _ => Err(CaError::Remote {
                 identity: id.to_string(),
@@ -158,27 +290,11 @@ impl CertStore {
         }
     }
 
-    async fn first_issue(&self, id: &Identity) -> Result<Arc<CertBundle>, CaError> {
-        let r = self.issue(id).await;
-        let mut entries = self.entries.lock().unwrap();
-        match (&r, entries.get_mut(id)) {
-            (Ok(b), Some(e)) => {
-                e.renew_at = b.refresh_at_jittered();
-                e.tx.send_replace(Slot::Ready(b.clone()));
-            }
-            (Err(err), Some(e)) => {
-                e.tx.send_replace(Slot::Failed(err.to_string()));
-                entries.remove(id);
-            }
-            (_, None) => {}
-        }
-        drop(entries);
-        self.changed.notify_one();
-        r
-    }
-
     /// Subscribes to certificate changes of `id` (requesting one if needed).
-    pub async fn subscribe(&self, id: &Identity) -> Result<watch::Receiver<Slot>, CaError> {
+    pub async fn subscribe(
+        self: &Arc<Self>,
+        id: &Identity,
+    ) -> Result<watch::Receiver<Slot>, CaError> {
         self.fetch(id).await?;
         let entries = self.entries.lock().unwrap();
         entries.get(id).map(|e| e.tx.subscribe()).ok_or_else(|| CaError::Remote {
@@ -200,14 +316,18 @@ impl CertStore {
                 }
                 None => {
                     let (tx, _) = watch::channel(Slot::Ready(b.clone()));
+                    let generation =
+                        self.generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     entries.insert(
                         id.clone(),
-                        Entry { tx, renew_at: b.refresh_at_jittered(), failures: 0 },
+                        Entry { tx, renew_at: b.refresh_at_jittered(), failures: 0, generation },
                     );
                 }
             },
             Err(err) => {
-                if let Some(e) = entries.get_mut(id) {
+                if let Some(e) =
+                    entries.get_mut(id).filter(|e| matches!(&*e.tx.borrow(), Slot::Ready(_)))
+                {
                     e.failures += 1;
                     let backoff = RETRY_FIRST
                         .saturating_mul(1 << e.failures.min(16).saturating_sub(1))
@@ -223,21 +343,32 @@ impl CertStore {
             }
         }
         drop(entries);
-        self.changed.notify_one();
+        self.changed();
         r
     }
 
-    /// Drops the certificate of an identity no workload of this node uses any more.
+    /// Drops the certificate of an identity no workload of this node uses any more. A backoff
+    /// running for it is remembered, so asking for it again soon does not skip the backoff.
     pub fn forget(&self, id: &Identity) -> bool {
-        let gone = self.entries.lock().unwrap().remove(id).is_some();
-        if gone {
-            tracing::info!(identity = %id, "certificate forgotten: no local workload uses it");
-            self.changed.notify_one();
+        let gone = self.entries.lock().unwrap().remove(id);
+        let Some(e) = gone else { return false };
+        let now = SystemTime::now();
+        let mut remembered = self.remembered.lock().unwrap();
+        // Backoffs that ran out long ago are forgotten too.
+        remembered.retain(|_, r| r.retry_at + FIRST_RETRY_MAX > now);
+        if let Slot::Failed { error, retry_at } = &*e.tx.borrow() {
+            remembered.insert(
+                id.clone(),
+                Remembered { failures: e.failures, retry_at: *retry_at, error: error.clone() },
+            );
         }
-        gone
+        drop(remembered);
+        tracing::info!(identity = %id, "certificate forgotten: no local workload uses it");
+        self.changed();
+        true
     }
 
-    /// Identities held (ready or pending).
+    /// Identities held (ready, pending or backing off).
     pub fn identities(&self) -> Vec<Identity> {
         let mut v: Vec<_> = self.entries.lock().unwrap().keys().cloned().collect();
         v.sort();
@@ -259,7 +390,8 @@ impl CertStore {
     }
 
     /// Renews every certificate when it is due (half-life with jitter, or a retry after a
-    /// failure). Runs until dropped.
+    /// failure), and asks again for the ones whose first requests failed once their backoff
+    /// ends. Runs until dropped.
     pub async fn run_renewal(self: Arc<Self>) {
         loop {
             let notified = self.changed.notified();
@@ -267,16 +399,25 @@ impl CertStore {
                 let entries = self.entries.lock().unwrap();
                 entries
                     .iter()
-                    .filter(|(_, e)| matches!(&*e.tx.borrow(), Slot::Ready(_)))
-                    .map(|(id, e)| (e.renew_at, id.clone()))
-                    .min_by_key(|(t, _)| *t)
+                    .filter_map(|(id, e)| match &*e.tx.borrow() {
+                        Slot::Ready(_) => Some((e.renew_at, id.clone(), true)),
+                        Slot::Failed { .. } => Some((e.renew_at, id.clone(), false)),
+                        Slot::Pending => None,
+                    })
+                    .min_by_key(|(t, _, _)| *t)
             };
             match next {
                 None => notified.await,
-                Some((at, id)) => {
+                Some((at, id, held)) => {
                     let wait = at.duration_since(SystemTime::now()).unwrap_or_default();
                     tokio::select! {
-                        _ = tokio::time::sleep(wait) => { let _ = self.renew(&id).await; }
+                        _ = tokio::time::sleep(wait) => {
+                            if held {
+                                let _ = self.renew(&id).await;
+                            } else {
+                                self.request(&id);
+                            }
+                        }
                         _ = notified => {}
                     }
                 }
@@ -370,6 +511,15 @@ mod tests {
         }
     }
 
+    /// Moves the end of `id`'s backoff.
+    fn set_retry_at(store: &CertStore, id: &Identity, at: SystemTime) {
+        let mut entries = store.entries.lock().unwrap();
+        let e = entries.get_mut(id).unwrap();
+        let Slot::Failed { error, .. } = e.tx.borrow().clone() else { panic!("not failed") };
+        e.renew_at = at;
+        e.tx.send_replace(Slot::Failed { error, retry_at: at });
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn single_flight_outage_and_forget() {
         let dir = std::env::temp_dir().join(format!("mbt-store-flaky-{}", std::process::id()));
@@ -395,14 +545,74 @@ mod tests {
         src.down.store(true, Ordering::SeqCst);
         assert!(store.renew(&id).await.is_err());
         assert_eq!(store.current(&id).unwrap().serial, *serials.iter().next().unwrap());
-        // A new identity during the outage fails, and is not left pending.
+        // A new identity during the outage fails, and the failure is remembered (not left
+        // pending, not dropped): asking again during the backoff gets the backoff at once and
+        // makes no request, even once the CA is back.
         let other: Identity = "spiffe://cluster.local/ns/a/sa/c".parse().unwrap();
+        let calls = src.calls.load(Ordering::SeqCst);
         assert!(store.fetch(&other).await.is_err());
-        assert_eq!(store.identities(), vec![id.clone()]);
+        assert_eq!(src.calls.load(Ordering::SeqCst), calls + 1);
+        assert_eq!(store.identities(), vec![id.clone(), other.clone()]);
         src.down.store(false, Ordering::SeqCst);
+        // (A long backoff, so that a slow machine cannot see this one end mid-test.)
+        let later = SystemTime::now() + Duration::from_secs(3600);
+        set_retry_at(&store, &other, later);
+        for _ in 0..100 {
+            let e = store.fetch(&other).await.unwrap_err();
+            assert!(matches!(e, CaError::Backoff { .. }), "{e}");
+        }
+        assert_eq!(src.calls.load(Ordering::SeqCst), calls + 1, "no request during the backoff");
+        // Forgetting it keeps the backoff: asking again soon still waits it out.
+        assert!(store.forget(&other));
+        let Slot::Failed { retry_at, .. } = store.request(&other).borrow().clone() else {
+            panic!("a forgotten failure is remembered");
+        };
+        assert_eq!(src.calls.load(Ordering::SeqCst), calls + 1);
+        assert_eq!(retry_at, later);
+        // Once the backoff ends, the next ask makes one request, and it succeeds.
+        set_retry_at(&store, &other, SystemTime::now());
         assert!(store.fetch(&other).await.is_ok());
+        assert_eq!(src.calls.load(Ordering::SeqCst), calls + 2);
         assert!(store.forget(&other));
         assert!(store.current(&other).is_none());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn first_request_backoff_doubles_to_its_cap() {
+        assert_eq!(first_retry_after(1), FIRST_RETRY_FIRST);
+        assert_eq!(first_retry_after(2), FIRST_RETRY_FIRST * 2);
+        assert_eq!(first_retry_after(3), FIRST_RETRY_FIRST * 4);
+        assert_eq!(first_retry_after(10), FIRST_RETRY_MAX);
+        assert_eq!(first_retry_after(u32::MAX), FIRST_RETRY_MAX);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_asks_again_after_the_backoff_by_itself() {
+        let dir = std::env::temp_dir().join(format!("mbt-store-retry-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let ca = DevCa::load_or_create(&dir, "cluster.local").unwrap();
+        let src = Arc::new(Flaky {
+            inner: DevCaSource::new(ca, KeyAlgorithm::EcdsaP256, Duration::from_secs(3600)),
+            calls: AtomicUsize::new(0),
+            down: true.into(),
+        });
+        let store = Arc::new(CertStore::with_source(src.clone()));
+        let id: Identity = "spiffe://cluster.local/ns/a/sa/b".parse().unwrap();
+        assert!(store.fetch(&id).await.is_err());
+        src.down.store(false, Ordering::SeqCst);
+        // Nobody asks again: the store's own task does when the backoff ends.
+        let mut rx = store.entries.lock().unwrap()[&id].tx.subscribe();
+        let task = tokio::spawn(store.clone().run_renewal());
+        // A guard against a hang, not a timing assertion.
+        let ready = tokio::time::timeout(
+            Duration::from_secs(20),
+            rx.wait_for(|s| matches!(s, Slot::Ready(_))),
+        )
+        .await;
+        assert!(matches!(ready, Ok(Ok(_))), "the store's task asked again");
+        assert_eq!(src.calls.load(Ordering::SeqCst), 2);
+        task.abort();
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -135,7 +135,9 @@ impl InPod {
         }
         let id = state.identity_of(&w);
         // Enrolled first, so that the certificate manager counts the identity as wanted while
-        // its certificate is requested (one request: the store shares it).
+        // its certificate is requested. The store owns the request (one, shared with the
+        // manager's), so during a CA backoff the ADD fails at once with the store's reason
+        // instead of starting a request of its own.
         state.set_enrolled(uid, true);
         if let Err(e) = self.store.fetch(&id).await {
             state.set_enrolled(uid, false);

@@ -260,8 +260,16 @@ impl TlsProvider {
         self.cache.lock().unwrap().len()
     }
 
+    /// The contexts of `id`'s current certificate. A handshake never requests a certificate
+    /// itself: it asks the store, which starts a request only when none is in flight and no
+    /// backoff runs, and waits for one in flight at most the handshake timeout. Without a
+    /// certificate the handshake fails (`tls_no_local_certificate`, with the store's reason).
     async fn contexts(&self, id: &Identity) -> Result<Arc<Contexts>, TlsError> {
-        let bundle = self.store.fetch(id).await.map_err(|e| TlsError::Cert(e.to_string()))?;
+        let bundle = self
+            .store
+            .fetch_within(id, self.handshake_timeout)
+            .await
+            .map_err(|e| TlsError::Cert(e.to_string()))?;
         if let Some(c) = self.cache.lock().unwrap().get(id) {
             // With tickets on, contexts are rebuilt hourly so that no ticket key outlives that.
             let fresh = !self.resumption || c.built.elapsed() < resume::TICKET_KEY_ROTATION;

@@ -69,6 +69,8 @@ pub struct Shared {
     pub down: std::sync::atomic::AtomicBool,
     /// CA down only.
     pub ca_down: std::sync::atomic::AtomicBool,
+    /// Certificate requests that passed the token check (answered or refused as CA down).
+    pub ca_requests: std::sync::atomic::AtomicUsize,
     /// Authorization responses held back until released.
     pub hold_policies: std::sync::atomic::AtomicBool,
     pushes: broadcast::Sender<Push>,
@@ -137,6 +139,7 @@ impl ControlPlane {
             seen: Mutex::new(Vec::new()),
             down: Default::default(),
             ca_down: Default::default(),
+            ca_requests: Default::default(),
             hold_policies: Default::default(),
             pushes: broadcast::channel(64).0,
             nonce: Default::default(),
@@ -358,6 +361,7 @@ impl IstioCertificateService for Svc {
         req: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         check_token(&self.0, &req)?;
+        self.0.ca_requests.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         if self.0.ca_down.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(Status::unavailable("CA down"));
         }
