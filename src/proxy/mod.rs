@@ -13,8 +13,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
-
 use crate::hbone::Pool;
 use crate::metrics::{ConnKey, ConnLabels, Metrics};
 use crate::net::Workers;
