@@ -190,8 +190,10 @@ mod tests {
                         .unwrap();
                 let mut b = [0u8; 4];
                 s.read_exact(&mut b).await.unwrap();
-                s.write_all(&b).await.unwrap();
+                // Reported before the echo: the test reads the echo before the next
+                // connection, so the reports arrive in connection order.
                 tx.send((here, inner)).unwrap();
+                s.write_all(&b).await.unwrap();
             });
             c.write_all(b"ping").await.unwrap();
             let mut b = [0u8; 4];
