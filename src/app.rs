@@ -491,7 +491,8 @@ impl Running {
     }
 
     /// Stops accepting, sends GOAWAY on HBONE connections, waits for in-flight connections up to
-    /// the drain deadline. Returns how many were still open.
+    /// the drain deadline. Returns how many proxied connections were still open then (they are
+    /// cut), or, when every one had ended, how many HBONE connections had not closed in time.
     ///
     /// Every HBONE connection, inbound and pooled, ends with GOAWAY then TLS close_notify before
     /// its socket closes, and the drain waits for that too: inbound ones once their streams have
@@ -508,8 +509,12 @@ impl Running {
         drain.start();
         self.ctx.pool.drain();
         let mut left = drain.wait_idle(self.drain_timeout).await;
-        left += drain.wait_hbone_closed(end).await;
-        left += self.ctx.pool.wait_closed(end).await;
+        if left == 0 {
+            // The HBONE connections carrying cut streams are not counted twice: only when every
+            // proxied connection ended do the HBONE connections' own closes count.
+            left += drain.wait_hbone_closed(end).await;
+            left += self.ctx.pool.wait_closed(end).await;
+        }
         if left > 0 {
             tracing::warn!(left, "drain deadline reached; resetting remaining connections");
             // Reset, not FIN: an application must be able to tell a cut from a complete answer.
