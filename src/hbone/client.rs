@@ -16,10 +16,52 @@ use super::{HboneError, CONNECTION_WINDOW, MAX_FRAME, PING_INTERVAL, PING_TIMEOU
 use crate::metrics::Metrics;
 use crate::tls::Stream;
 
-/// Headers of one HBONE request.
+/// Headers of one HBONE request, as ztunnel sends them: `forwarded: for="<source>"` (plus
+/// `;host=<service hostname>` when the connection was addressed to a service), `baggage` with the
+/// source workload's attributes, and a fresh `traceparent`.
 pub struct ConnectHeaders {
     pub source: SocketAddr,
     pub baggage: String,
+    /// The hostname of the service the connection was addressed to.
+    pub host: Option<String>,
+}
+
+impl ConnectHeaders {
+    /// The `forwarded` header's value.
+    pub fn forwarded(&self) -> String {
+        match &self.host {
+            Some(h) => format!("for=\"{}\";host={h}", self.source),
+            None => format!("for=\"{}\"", self.source),
+        }
+    }
+}
+
+/// The `baggage` header for a connection from `w`, in ztunnel's keys and order; empty
+/// attributes are left out.
+pub fn baggage(w: &crate::state::Workload) -> String {
+    let kind = w.workload_type.as_str();
+    let parts = [
+        ("k8s.cluster.name", w.cluster_id.as_str()),
+        ("k8s.namespace.name", w.namespace.as_str()),
+        ("", w.workload_name.as_str()),
+        ("service.name", w.canonical_name.as_str()),
+        ("service.version", w.canonical_revision.as_str()),
+    ];
+    let mut out = String::new();
+    for (k, v) in parts {
+        if v.is_empty() {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push(',');
+        }
+        if k.is_empty() {
+            out.push_str(&format!("k8s.{kind}.name={v}"));
+        } else {
+            out.push_str(&format!("{k}={v}"));
+        }
+    }
+    out
 }
 
 /// The client end of one h2 connection: clones share it.
@@ -106,7 +148,7 @@ pub async fn connect(
     let req = Request::builder()
         .method(Method::CONNECT)
         .uri(target.to_string())
-        .header("forwarded", format!("for=\"{}\"", headers.source))
+        .header("forwarded", headers.forwarded())
         .header("baggage", &headers.baggage)
         .header("traceparent", traceparent())
         .body(())

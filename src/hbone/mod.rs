@@ -20,7 +20,7 @@ use http::StatusCode;
 
 use crate::tls::TlsError;
 
-pub use client::{traceparent, ConnectHeaders, H2Client, Tunnel};
+pub use client::{baggage, traceparent, ConnectHeaders, H2Client, Tunnel};
 pub use pool::{LocalConnector, Pool, PoolKey};
 pub use server::{check_connect, parse_connect, server_builder, ConnectRefusal};
 pub use stream::H2Stream;

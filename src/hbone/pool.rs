@@ -34,6 +34,8 @@ pub struct PoolKey {
     pub src_id: Identity,
     pub src_pod: Arc<str>,
     pub dst_id: Identity,
+    /// Other identities the destination may present (its service's subject alt names).
+    pub dst_sans: Vec<Identity>,
     pub dst: SocketAddr,
     pub src_ip: IpAddr,
 }
@@ -209,16 +211,31 @@ impl Pool {
         if let Some(pipe) =
             self.local.get().and_then(|f| f(key.dst, SocketAddr::new(key.src_ip, 0)))
         {
-            let tls = self.tls.connect_to(pipe, &key.src_id, &key.dst_id, Some(key.dst)).await?;
+            let tls = self.handshake(pipe, key).await?;
             let live = self.live.enter();
             return self.h2(key, client::handshake(tls, key.dst, self.metrics.clone(), live)).await;
         }
         let source = self.transparent.then_some(key.src_ip);
         let opts = DialOpts { mark: self.mark, source, netns, timeout: self.limits.dial_timeout };
         let tcp = dial(key.dst, opts).await.map_err(|e| HboneError::Connect(key.dst, e))?;
-        let tls = self.tls.connect_to(tcp, &key.src_id, &key.dst_id, Some(key.dst)).await?;
+        let tls = self.handshake(tcp, key).await?;
         let live = self.live.enter();
         self.h2(key, client::handshake(tls, key.dst, self.metrics.clone(), live)).await
+    }
+
+    /// The client TLS handshake for `key`: the destination must present its identity or one
+    /// of its service's subject alt names.
+    async fn handshake<S: crate::tls::Stream>(
+        &self,
+        io: S,
+        key: &PoolKey,
+    ) -> Result<tokio_boring::SslStream<crate::net::io::Buffered<S>>, crate::tls::TlsError> {
+        if key.dst_sans.is_empty() {
+            return self.tls.connect_to(io, &key.src_id, &key.dst_id, Some(key.dst)).await;
+        }
+        let ids: Vec<Identity> =
+            std::iter::once(key.dst_id.clone()).chain(key.dst_sans.iter().cloned()).collect();
+        self.tls.connect_to_any(io, &key.src_id, &ids, Some(key.dst)).await
     }
 
     async fn h2(
@@ -362,6 +379,7 @@ mod tests {
             src_id: id("spiffe://td/ns/a/sa/a"),
             src_pod: "pod-a".into(),
             dst_id: id("spiffe://td/ns/b/sa/b"),
+            dst_sans: vec![],
             dst: "10.0.0.2:15008".parse().unwrap(),
             src_ip: "10.0.0.1".parse().unwrap(),
         };

@@ -40,11 +40,25 @@ pub async fn handle(
         if !crate::authz::wait_synced(&ctx.state, &ctx.metrics, &ctx.peer_logs, "outbound").await {
             return None;
         }
-        let upstream = match ctx.state.resolve(dst) {
+        let src_wl = match &pod_uid {
+            Some(uid) => {
+                let w = ctx.state.workload_by_uid(uid);
+                if let Some(w) = w.as_ref().filter(|w| !w.ips.contains(&peer.ip())) {
+                    tracing::warn!(pod = %w.uid, source = %peer.ip(), ips = ?w.ips,
+                        "source address is not the pod's own: the pod's identity is used");
+                }
+                w
+            }
+            None => ctx.state.local_workload_by_ip(peer.ip()),
+        };
+        let upstream = match ctx.state.resolve(dst, src_wl.as_deref(), peer.ip()) {
             Ok(u) => u,
             Err(e) => {
-                ctx.metrics.refuse("no_route");
-                tracing::warn!(error = %e, "no route for destination");
+                // Never sent direct: a destination whose waypoint cannot be resolved, or that is
+                // held fail-closed, is refused like one with no route.
+                ctx.metrics.refuse(e.reason());
+                tracing::warn!(error = %e, reason = e.reason(), "refused: no route for destination");
+                reset_on_close(&client);
                 return None;
             }
         };
@@ -61,17 +75,6 @@ pub async fn handle(
             tracing::warn!("refused: connection to the proxy's own listener would loop");
             return None;
         }
-        let src_wl = match &pod_uid {
-            Some(uid) => {
-                let w = ctx.state.workload_by_uid(uid);
-                if let Some(w) = w.as_ref().filter(|w| !w.ips.contains(&peer.ip())) {
-                    tracing::warn!(pod = %w.uid, source = %peer.ip(), ips = ?w.ips,
-                        "source address is not the pod's own: the pod's identity is used");
-                }
-                w
-            }
-            None => ctx.state.local_workload_by_ip(peer.ip()),
-        };
         let Some(upstream) = upstream else {
             // Not a mesh destination: pass through unchanged.
             let labels = ConnLabels::new(Reporter::source, SecurityPolicy::unknown).with_source(
@@ -99,6 +102,8 @@ pub async fn handle(
             Protocol::Hbone => (SecurityPolicy::mutual_tls, upstream.hbone_addr),
             Protocol::Tcp => (SecurityPolicy::unknown, upstream.target),
         };
+        // Through a waypoint, the waypoint is the destination reported; the service stays the
+        // intended one (as ztunnel reports them).
         let labels = ConnLabels::new(Reporter::source, policy)
             .with_source(Some(&src_wl), Some(src_id.to_string()))
             .with_destination(Some(&upstream.workload), Some(dst_id.to_string()))
@@ -122,15 +127,14 @@ pub async fn handle(
                     src_id,
                     src_pod: src_wl.uid.as_str().into(),
                     dst_id,
+                    dst_sans: upstream.sans.clone(),
                     dst: hop,
                     src_ip: peer.ip(),
                 };
                 let headers = ConnectHeaders {
                     source: peer,
-                    baggage: format!(
-                        "k8s.namespace.name={},k8s.workload.name={},service.name={}",
-                        src_wl.namespace, src_wl.name, src_wl.name
-                    ),
+                    baggage: crate::hbone::baggage(&src_wl),
+                    host: upstream.service.as_ref().map(|s| s.hostname()),
                 };
                 match ctx.pool.tunnel(&key, upstream.target, &headers, netns.as_deref()).await {
                     Ok(tunnel) => Some(Ready::Tunnel(client, tunnel, rec)),

@@ -5,7 +5,9 @@
 //! that moves on every applied change.
 #![forbid(unsafe_code)]
 
+pub mod gateway;
 pub mod policy;
+mod route;
 pub mod service;
 pub mod workload;
 
@@ -17,25 +19,13 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+pub use gateway::{AppTunnel, GatewayAddress, GatewayTarget, TunnelHeader};
 pub use policy::Authorization;
+pub use route::{LookupError, Upstream, Via};
 pub use service::{Service, ServicePort};
 pub use workload::{PortMapping, Protocol, Workload};
 
 use crate::identity::Identity;
-
-/// Where an outbound connection goes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Upstream {
-    pub workload: Arc<Workload>,
-    /// The workload address the connection is for (after service VIP translation).
-    pub target: SocketAddr,
-    pub identity: Identity,
-    pub protocol: Protocol,
-    /// Where to dial for HBONE (the destination node's inbound).
-    pub hbone_addr: SocketAddr,
-    /// The service the destination was addressed through, if any.
-    pub service: Option<Arc<Service>>,
-}
 
 /// A connection arrived before the mesh state's first complete sync and the bound passed.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
@@ -61,15 +51,9 @@ const SYNCED_ADDRESS: u8 = 1;
 const SYNCED_POLICY: u8 = 2;
 const SYNCED_ALL: u8 = SYNCED_ADDRESS | SYNCED_POLICY;
 
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-pub enum LookupError {
-    #[error("service {0} has no workloads")]
-    NoEndpoints(String),
-    #[error("service {service} has no port {port}")]
-    NoServicePort { service: String, port: u16 },
-}
-
-/// One resource of the mesh.
+/// One resource of the mesh. Short-lived (an xDS response or a file reload is turned into a
+/// batch of them and applied), so its variants are not boxed.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Resource {
     Workload(Workload),
@@ -524,53 +508,6 @@ impl Store {
         w.identity(&self.cfg.trust_domain)
     }
 
-    /// Resolves an original destination to an upstream. `Ok(None)`: not a mesh address
-    /// (passthrough).
-    pub fn resolve(&self, dst: SocketAddr) -> Result<Option<Upstream>, LookupError> {
-        let ix = self.index.read().unwrap();
-        let (workload, target, service) = if let Some(svc) = ix.by_vip.get(&dst.ip()) {
-            let key = svc.key();
-            let port = svc.ports.iter().find(|p| p.port == dst.port()).ok_or_else(|| {
-                LookupError::NoServicePort { service: key.clone(), port: dst.port() }
-            })?;
-            let eps = ix.endpoints.get(&key).map(Vec::as_slice).unwrap_or_default();
-            if eps.is_empty() {
-                return Err(LookupError::NoEndpoints(key));
-            }
-            let i = self.rr.fetch_add(1, Ordering::Relaxed) % eps.len();
-            let w =
-                ix.workloads.get(&eps[i]).ok_or_else(|| LookupError::NoEndpoints(key.clone()))?;
-            let mapped = w
-                .services
-                .get(&key)
-                .and_then(|ports| ports.iter().find(|m| m.service_port == port.port))
-                .map(|m| m.target_port)
-                .filter(|p| *p != 0);
-            let target_port = mapped.or(port.target_port).unwrap_or(port.port);
-            let ip = w.ips.iter().find(|ip| ip.is_ipv4() == dst.is_ipv4()).unwrap_or(&w.ips[0]);
-            (w.clone(), SocketAddr::new(*ip, target_port), Some(svc.clone()))
-        } else if let Some(w) = ix.by_ip.get(&dst.ip()) {
-            (w.clone(), dst, None)
-        } else {
-            return Ok(None);
-        };
-        drop(ix);
-        let hbone_addr = self
-            .cfg
-            .node_hbone
-            .get(&workload.node)
-            .copied()
-            .unwrap_or_else(|| SocketAddr::new(target.ip(), self.cfg.hbone_port));
-        Ok(Some(Upstream {
-            identity: self.identity_of(&workload),
-            protocol: workload.protocol,
-            workload,
-            target,
-            hbone_addr,
-            service,
-        }))
-    }
-
     /// The store for the admin config dump.
     pub fn dump(&self) -> serde_json::Value {
         let ix = self.index.read().unwrap();
@@ -645,6 +582,7 @@ pub fn replace_delta(store: &Store, resources: Vec<Resource>) -> Delta {
 #[cfg(test)]
 mod tests {
     use super::*;
+    const UNSPEC: IpAddr = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
 
     fn wl(uid: &str, name: &str, sa: &str, ip: &str, node: &str) -> Workload {
         serde_yaml::from_str(&format!(
@@ -678,17 +616,17 @@ mod tests {
     #[test]
     fn resolves_workload_and_service() {
         let s = store();
-        let u = s.resolve("10.0.2.2:9000".parse().unwrap()).unwrap().unwrap();
+        let u = s.resolve("10.0.2.2:9000".parse().unwrap(), None, UNSPEC).unwrap().unwrap();
         assert_eq!(u.target, "10.0.2.2:9000".parse().unwrap());
         assert_eq!(u.hbone_addr, "127.0.0.3:25008".parse().unwrap());
         assert_eq!(u.identity.to_string(), "spiffe://cluster.local/ns/default/sa/echo");
-        let a = s.resolve("10.96.0.1:80".parse().unwrap()).unwrap().unwrap();
-        let b = s.resolve("10.96.0.1:80".parse().unwrap()).unwrap().unwrap();
+        let a = s.resolve("10.96.0.1:80".parse().unwrap(), None, UNSPEC).unwrap().unwrap();
+        let b = s.resolve("10.96.0.1:80".parse().unwrap(), None, UNSPEC).unwrap().unwrap();
         assert_eq!(a.target.port(), 8080);
         assert_ne!(a.target, b.target, "round robin over endpoints");
-        assert!(s.resolve("10.96.0.1:81".parse().unwrap()).is_err());
-        assert!(s.resolve("1.1.1.1:80".parse().unwrap()).unwrap().is_none());
-        let c = s.resolve("10.0.1.2:1".parse().unwrap()).unwrap().unwrap();
+        assert!(s.resolve("10.96.0.1:81".parse().unwrap(), None, UNSPEC).is_err());
+        assert!(s.resolve("1.1.1.1:80".parse().unwrap(), None, UNSPEC).unwrap().is_none());
+        let c = s.resolve("10.0.1.2:1".parse().unwrap(), None, UNSPEC).unwrap().unwrap();
         assert_eq!(c.hbone_addr, "10.0.1.2:15008".parse().unwrap(), "default: workload ip:15008");
         assert_eq!(s.local_workloads().len(), 1);
         assert!(s.service_by_hostname("echo.default.svc.cluster.local").is_some());
@@ -767,7 +705,7 @@ mod tests {
         assert_eq!(s.workload_by_ip("10.0.2.9".parse().unwrap()).unwrap().uid, "s1");
         assert!(s.workload_by_uid("s2").is_none());
         assert_eq!(
-            s.resolve("10.96.0.1:80".parse().unwrap()).unwrap_err(),
+            s.resolve("10.96.0.1:80".parse().unwrap(), None, UNSPEC).unwrap_err(),
             LookupError::NoEndpoints("default/echo.default.svc.cluster.local".into())
         );
         // Removing the service by its name frees its VIP and hostname.

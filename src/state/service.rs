@@ -6,6 +6,7 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
+use super::gateway::GatewayAddress;
 use super::workload::default_namespace;
 
 /// A port of a service: the port clients use and the port the workloads listen on.
@@ -34,6 +35,18 @@ pub struct Service {
     /// and this stays empty.
     #[serde(default)]
     pub workloads: Vec<String>,
+    /// The waypoint every connection addressed to the service goes through, whatever its port
+    /// and whether or not it has endpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waypoint: Option<GatewayAddress>,
+    /// Identities its endpoints may present besides their own (`subject_alt_names`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub subject_alt_names: Vec<String>,
+    /// Set (why) when this stands for a refused xDS version: every connection addressed to it is
+    /// refused until a good version arrives (its waypoint may have changed). Never read from the
+    /// local file.
+    #[serde(default, skip_deserializing, skip_serializing_if = "Option::is_none")]
+    pub fail_closed: Option<String>,
 }
 
 impl Service {

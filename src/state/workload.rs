@@ -7,6 +7,7 @@ use std::net::IpAddr;
 
 use serde::{Deserialize, Serialize};
 
+use super::gateway::{AppTunnel, GatewayAddress};
 use crate::identity::Identity;
 
 /// How a workload is reached.
@@ -57,6 +58,9 @@ pub struct Workload {
     pub workload_name: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub cluster_id: String,
+    /// What owns it, as ztunnel names it in baggage: `deployment`, `cronjob`, `pod` or `job`.
+    #[serde(default = "default_kind", skip_serializing_if = "is_default_kind")]
+    pub workload_type: String,
     /// `namespace/name` of the WORKLOAD_SELECTOR authorization policies that select it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub authorization_policies: Vec<String>,
@@ -64,6 +68,21 @@ pub struct Workload {
     /// in the local file the services list their workloads instead).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub services: BTreeMap<String, Vec<PortMapping>>,
+    /// The network it is on (empty: the default network). A destination on another network than
+    /// the source is reached through its `network_gateway`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub network: String,
+    /// The waypoint that connections addressed to its own IP go through (not those addressed to
+    /// a service it backs: the service's waypoint applies to those).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub waypoint: Option<GatewayAddress>,
+    /// How it is reached from another network.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_gateway: Option<GatewayAddress>,
+    /// Set when it terminates tunnels itself (a waypoint in the mesh): what this proxy hands it
+    /// inbound, and on which port.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub application_tunnel: Option<AppTunnel>,
     /// Set (why) when this is a held version kept after its newer xDS version was refused:
     /// the policies it lists may have changed, so every connection to it is denied until a
     /// good version arrives. Never read from the local file.
@@ -74,6 +93,14 @@ pub struct Workload {
 pub(crate) fn default_namespace() -> String {
     "default".into()
 }
+fn default_kind() -> String {
+    "deployment".into()
+}
+
+fn is_default_kind(k: &str) -> bool {
+    k == "deployment"
+}
+
 pub(crate) fn default_sa() -> String {
     "default".into()
 }

@@ -511,13 +511,29 @@ impl TlsProvider {
         expected: &Identity,
         dest: Option<SocketAddr>,
     ) -> Result<SslStream<Buffered<S>>, TlsError> {
+        self.connect_to_any(stream, local, std::slice::from_ref(expected), dest).await
+    }
+
+    /// [`connect_to`](Self::connect_to), accepting a server that presents any identity of
+    /// `expected` (a destination's own, then its service's subject alt names); sessions are
+    /// kept under the first. `expected` must not be empty.
+    pub async fn connect_to_any<S: Stream>(
+        &self,
+        stream: S,
+        local: &Identity,
+        expected: &[Identity],
+        dest: Option<SocketAddr>,
+    ) -> Result<SslStream<Buffered<S>>, TlsError> {
+        let Some(primary) = expected.first() else {
+            return Err(TlsError::WrongIdentity { got: String::new(), want: "(none)".into() });
+        };
         let ctx = self.contexts(local).await?;
         let start = Instant::now();
         let r = self
             .bounded(async {
                 let mut ssl = Ssl::new(&ctx.connector)?;
                 if let (true, Some(addr)) = (self.resumption, dest) {
-                    let key = resume::SessionKey { expected: expected.clone(), addr };
+                    let key = resume::SessionKey { expected: primary.clone(), addr };
                     if let Some(session) = ctx.sessions.take(&key) {
                         resume::offer(&mut ssl, &session)?;
                     }
@@ -527,7 +543,7 @@ impl TlsProvider {
                 verify::expect(
                     &mut ssl,
                     verify::PeerCheck {
-                        want: verify::Want::Exactly(expected.clone()),
+                        want: verify::Want::AnyOf(expected.to_vec()),
                         refusal: refusal.clone(),
                         cap_tickets: false,
                     },
@@ -543,10 +559,10 @@ impl TlsProvider {
                     // session's certificate must still be the expected identity, and valid.
                     let cert = s.ssl().peer_certificate().ok_or(TlsError::NoPeerCert)?;
                     let got = peer_identity_of(&cert)?;
-                    if got != *expected {
+                    if !expected.contains(&got) {
                         return Err(TlsError::WrongIdentity {
                             got: got.to_string(),
-                            want: expected.to_string(),
+                            want: verify::wanted(expected),
                         });
                     }
                     still_valid(&cert)?;
@@ -556,7 +572,7 @@ impl TlsProvider {
             .await;
         let resumed = r.as_ref().is_ok_and(|s| s.ssl().session_reused());
         if let Ok(s) = &r {
-            log_done("client", s.ssl(), expected);
+            log_done("client", s.ssl(), primary);
         }
         self.record("client", r.is_ok(), resumed, start);
         r

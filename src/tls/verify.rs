@@ -47,8 +47,17 @@ pub const MAX_CHAINS: usize = 4096;
 pub(super) enum Want {
     /// Server side: any identity of this trust domain (authorization decides the rest).
     TrustDomain(String),
-    /// Client side: exactly the destination's expected identity.
-    Exactly(Identity),
+    /// Client side: the destination's expected identity, or one of the others its service
+    /// names (`subject_alt_names`); never empty.
+    AnyOf(Vec<Identity>),
+}
+
+/// How a list of acceptable identities reads in an error.
+pub(super) fn wanted(ids: &[Identity]) -> String {
+    match ids {
+        [one] => one.to_string(),
+        _ => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" or "),
+    }
 }
 
 /// One connection's expectation of its peer, and where a refusal's reason goes.
@@ -63,9 +72,9 @@ impl PeerCheck {
     fn accept(&self, id: &Identity) -> Result<(), TlsError> {
         match &self.want {
             Want::TrustDomain(td) => super::in_trust_domain(id, td),
-            Want::Exactly(want) if id == want => Ok(()),
-            Want::Exactly(want) => {
-                Err(TlsError::WrongIdentity { got: id.to_string(), want: want.to_string() })
+            Want::AnyOf(want) if want.contains(id) => Ok(()),
+            Want::AnyOf(want) => {
+                Err(TlsError::WrongIdentity { got: id.to_string(), want: wanted(want) })
             }
         }
     }

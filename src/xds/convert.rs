@@ -12,7 +12,10 @@ use crate::proto::{security as pb_sec, workload as pb};
 use crate::state::policy::{
     Action, Authorization, Cidr, Clause, Match, Rule, Scope, ServiceAccountMatch, StringMatch,
 };
-use crate::state::{PortMapping, Protocol, Resource, Service, ServicePort, Workload};
+use crate::state::{
+    AppTunnel, GatewayAddress, GatewayTarget, PortMapping, Protocol, Resource, Service,
+    ServicePort, TunnelHeader, Workload,
+};
 
 pub const ADDRESS_TYPE: &str = "type.googleapis.com/istio.workload.Address";
 pub const AUTHORIZATION_TYPE: &str = "type.googleapis.com/istio.security.Authorization";
@@ -27,6 +30,69 @@ fn ip_of(b: &[u8]) -> Result<IpAddr, String> {
 
 fn port_of(p: u32, what: &str) -> Result<u16, String> {
     u16::try_from(p).map_err(|_| format!("{what} {p} is out of range"))
+}
+
+/// A waypoint or network gateway reference. Malformed ones (no destination, an address of the
+/// wrong length, an empty namespace or hostname, no HBONE port) are refused: a connection must
+/// never go direct because its waypoint could not be read.
+fn gateway(g: Option<pb::GatewayAddress>, what: &str) -> Result<Option<GatewayAddress>, String> {
+    use pb::gateway_address::Destination;
+    let Some(g) = g else { return Ok(None) };
+    let target = match g.destination {
+        Some(Destination::Address(a)) => GatewayTarget::Address {
+            network: a.network,
+            ip: ip_of(&a.address).map_err(|e| format!("{what}: {e}"))?,
+        },
+        Some(Destination::Hostname(h)) if !h.namespace.is_empty() && !h.hostname.is_empty() => {
+            GatewayTarget::Hostname { namespace: h.namespace, hostname: h.hostname }
+        }
+        Some(Destination::Hostname(h)) => {
+            return Err(format!(
+                "{what}: hostname '{}' in namespace '{}' (both are needed)",
+                h.hostname, h.namespace
+            ))
+        }
+        None => return Err(format!("{what} names neither an address nor a hostname")),
+    };
+    let hbone_port = port_of(g.hbone_mtls_port, &format!("{what} HBONE port"))?;
+    if hbone_port == 0 {
+        return Err(format!("{what} has no HBONE port (hbone_mtls_port 0)"));
+    }
+    Ok(Some(GatewayAddress { target, hbone_port }))
+}
+
+fn app_tunnel(t: Option<pb::ApplicationTunnel>) -> Result<Option<AppTunnel>, String> {
+    let Some(t) = t else { return Ok(None) };
+    let protocol = match pb::application_tunnel::Protocol::try_from(t.protocol) {
+        Ok(pb::application_tunnel::Protocol::None) => TunnelHeader::None,
+        Ok(pb::application_tunnel::Protocol::Proxy) => TunnelHeader::Proxy,
+        Err(_) => return Err(format!("unknown application_tunnel protocol {}", t.protocol)),
+    };
+    let port = port_of(t.port, "application_tunnel port")?;
+    Ok(Some(AppTunnel { protocol, port: (port != 0).then_some(port) }))
+}
+
+/// What stands for an `istio.workload.Address` refused (`why`) because of its waypoint or network
+/// gateway: the same resource without them, marked fail-closed, so that connections to it are
+/// refused rather than sent direct. `None` when the rest does not decode either.
+pub fn address_stand_in(bytes: &[u8], why: &str) -> Option<Resource> {
+    let a = pb::Address::decode(bytes).ok()?;
+    let why = format!("its newest xDS version was refused: {why}");
+    match a.r#type? {
+        pb::address::Type::Workload(mut w) => {
+            w.waypoint = None;
+            w.network_gateway = None;
+            let mut w = workload(w).ok()?;
+            w.fail_closed = Some(why);
+            Some(Resource::Workload(w))
+        }
+        pb::address::Type::Service(mut s) => {
+            s.waypoint = None;
+            let mut s = service(s).ok()?;
+            s.fail_closed = Some(why);
+            Some(Resource::Service(s))
+        }
+    }
 }
 
 /// Decodes one `istio.workload.Address` payload.
@@ -53,8 +119,13 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
     };
     let status = pb::WorkloadStatus::try_from(w.status)
         .map_err(|_| format!("unknown status {}", w.status))?;
-    pb::WorkloadType::try_from(w.workload_type)
-        .map_err(|_| format!("unknown workload_type {}", w.workload_type))?;
+    let workload_type = match pb::WorkloadType::try_from(w.workload_type) {
+        Ok(pb::WorkloadType::Deployment) => "deployment",
+        Ok(pb::WorkloadType::Cronjob) => "cronjob",
+        Ok(pb::WorkloadType::Pod) => "pod",
+        Ok(pb::WorkloadType::Job) => "job",
+        Err(_) => return Err(format!("unknown workload_type {}", w.workload_type)),
+    };
     let ips = w.addresses.iter().map(|a| ip_of(a)).collect::<Result<Vec<_>, _>>()?;
     if ips.is_empty() {
         // Workloads reached by hostname only (e.g. ServiceEntry DNS) are not proxied here.
@@ -95,8 +166,13 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
         canonical_revision: w.canonical_revision,
         workload_name: w.workload_name,
         cluster_id: w.cluster_id,
+        workload_type: workload_type.into(),
         authorization_policies: w.authorization_policies,
         services,
+        network: w.network,
+        waypoint: gateway(w.waypoint, "waypoint")?,
+        network_gateway: gateway(w.network_gateway, "network gateway")?,
+        application_tunnel: app_tunnel(w.application_tunnel)?,
         fail_closed: None,
     })
 }
@@ -126,6 +202,9 @@ pub fn service(s: pb::Service) -> Result<Service, String> {
         vips,
         ports,
         workloads: Vec::new(),
+        waypoint: gateway(s.waypoint, "waypoint")?,
+        subject_alt_names: s.subject_alt_names,
+        fail_closed: None,
     })
 }
 
@@ -447,5 +526,171 @@ mod tests {
         assert_eq!((m.key().as_str(), m.scope, m.action), ("n/p", Scope::Global, Action::Deny));
         let m = authorization_fail_closed("n/p", None, Some(&held), "x");
         assert_eq!((m.scope, m.action), (Scope::WorkloadSelector, Action::Deny));
+    }
+}
+
+#[cfg(test)]
+mod gateway_tests {
+    use super::*;
+
+    fn addr(ip: [u8; 4]) -> pb::NetworkAddress {
+        pb::NetworkAddress { network: String::new(), address: ip.to_vec() }
+    }
+
+    fn gw(d: Option<pb::gateway_address::Destination>, port: u32) -> Option<pb::GatewayAddress> {
+        Some(pb::GatewayAddress { destination: d, hbone_mtls_port: port })
+    }
+
+    fn encoded(t: pb::address::Type) -> Vec<u8> {
+        pb::Address { r#type: Some(t) }.encode_to_vec()
+    }
+
+    fn wl() -> pb::Workload {
+        pb::Workload {
+            uid: "u".into(),
+            name: "n".into(),
+            namespace: "ns".into(),
+            addresses: vec![vec![10, 0, 0, 1]],
+            ..Default::default()
+        }
+    }
+
+    fn svc() -> pb::Service {
+        pb::Service {
+            name: "s".into(),
+            namespace: "ns".into(),
+            hostname: "s.ns.svc.cluster.local".into(),
+            addresses: vec![addr([10, 96, 0, 1])],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn waypoints_tunnels_and_networks_decode() {
+        use pb::gateway_address::Destination as D;
+        let w = pb::Workload {
+            network: "net1".into(),
+            waypoint: gw(Some(D::Address(addr([10, 96, 0, 9]))), 15019),
+            network_gateway: gw(
+                Some(D::Hostname(pb::NamespacedHostname {
+                    namespace: "istio-system".into(),
+                    hostname: "ew.istio-system.svc.cluster.local".into(),
+                })),
+                15009,
+            ),
+            application_tunnel: Some(pb::ApplicationTunnel {
+                protocol: pb::application_tunnel::Protocol::Proxy as i32,
+                port: 15088,
+            }),
+            workload_type: pb::WorkloadType::Pod as i32,
+            ..wl()
+        };
+        let Resource::Workload(w) = address(&encoded(pb::address::Type::Workload(w))).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(w.network, "net1");
+        assert_eq!(w.workload_type, "pod");
+        assert_eq!(
+            w.waypoint,
+            Some(GatewayAddress {
+                target: GatewayTarget::Address {
+                    network: String::new(),
+                    ip: "10.96.0.9".parse().unwrap()
+                },
+                hbone_port: 15019
+            })
+        );
+        assert_eq!(
+            w.network_gateway.unwrap().to_string(),
+            "istio-system/ew.istio-system.svc.cluster.local (HBONE port 15009)"
+        );
+        assert_eq!(
+            w.application_tunnel,
+            Some(AppTunnel { protocol: TunnelHeader::Proxy, port: Some(15088) })
+        );
+        let s = pb::Service {
+            waypoint: gw(
+                Some(D::Hostname(pb::NamespacedHostname {
+                    namespace: "ns".into(),
+                    hostname: "wp.ns.svc.cluster.local".into(),
+                })),
+                15008,
+            ),
+            subject_alt_names: vec!["spiffe://td/ns/ns/sa/alt".into()],
+            ..svc()
+        };
+        let Resource::Service(s) = address(&encoded(pb::address::Type::Service(s))).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            s.waypoint.unwrap().to_string(),
+            "ns/wp.ns.svc.cluster.local (HBONE port 15008)"
+        );
+        assert_eq!(s.subject_alt_names, ["spiffe://td/ns/ns/sa/alt"]);
+    }
+
+    #[test]
+    fn bad_gateway_addresses_are_refused_and_stand_in_fail_closed() {
+        use pb::gateway_address::Destination as D;
+        let bad = [
+            ("no destination", gw(None, 15008)),
+            (
+                "bad ip",
+                gw(
+                    Some(D::Address(pb::NetworkAddress {
+                        network: String::new(),
+                        address: vec![1, 2, 3],
+                    })),
+                    15008,
+                ),
+            ),
+            ("no port", gw(Some(D::Address(addr([10, 96, 0, 9]))), 0)),
+            ("port out of range", gw(Some(D::Address(addr([10, 96, 0, 9]))), 70000)),
+            (
+                "empty namespace",
+                gw(
+                    Some(D::Hostname(pb::NamespacedHostname {
+                        namespace: String::new(),
+                        hostname: "h".into(),
+                    })),
+                    15008,
+                ),
+            ),
+        ];
+        for (name, g) in bad {
+            for t in [
+                pb::address::Type::Workload(pb::Workload { waypoint: g.clone(), ..wl() }),
+                pb::address::Type::Workload(pb::Workload { network_gateway: g.clone(), ..wl() }),
+                pb::address::Type::Service(pb::Service { waypoint: g.clone(), ..svc() }),
+            ] {
+                let bytes = encoded(t);
+                let e = address(&bytes).expect_err(name);
+                // What stands in is the same resource, without the gateway, fail-closed.
+                match address_stand_in(&bytes, &e) {
+                    Some(Resource::Workload(w)) => {
+                        assert!(w.fail_closed.as_deref().unwrap().contains(&e), "{name}");
+                        assert_eq!((w.waypoint, w.network_gateway), (None, None), "{name}");
+                        assert_eq!(w.ips, ["10.0.0.1".parse::<IpAddr>().unwrap()], "{name}");
+                    }
+                    Some(Resource::Service(s)) => {
+                        assert!(s.fail_closed.is_some(), "{name}");
+                        assert_eq!(s.vips, ["10.96.0.1".parse::<IpAddr>().unwrap()], "{name}");
+                    }
+                    other => panic!("{name}: {other:?}"),
+                }
+            }
+        }
+        let t = pb::ApplicationTunnel { protocol: 7, port: 1 };
+        let e = address(&encoded(pb::address::Type::Workload(pb::Workload {
+            application_tunnel: Some(t),
+            ..wl()
+        })))
+        .unwrap_err();
+        assert!(e.contains("application_tunnel protocol 7"), "{e}");
+        // A refusal that is not about a gateway has no stand-in of its own.
+        let no_uid =
+            encoded(pb::address::Type::Workload(pb::Workload { uid: String::new(), ..wl() }));
+        assert!(address_stand_in(&no_uid, "x").is_none());
     }
 }

@@ -424,7 +424,9 @@ impl Client {
     /// What stands for refused resource `r` (`why`) until a good version arrives, so that a
     /// refusal never widens access (docs/DESIGN.md, "Refused xDS resources"): an Authorization
     /// becomes a DENY matching everything or an ALLOW matching nothing, in the scope as far as
-    /// it can be read; a Workload whose older version is held keeps it, marked so that every
+    /// it can be read; a Workload or Service refused for its waypoint or network gateway is held
+    /// without them, marked fail-closed (connections addressed to it are refused, never sent
+    /// direct); another Workload whose older version is held keeps it, marked so that every
     /// connection to it is denied (the policies it lists may have changed). `None`: nothing is
     /// held for it (a new Workload, or a Service, whose held version stays as it is).
     fn fail_closed(
@@ -448,6 +450,16 @@ impl Client {
                 Some(crate::state::Resource::Policy(p))
             }
             StateFamily::Address => {
+                // Refused for its waypoint or gateway: the resource without them, fail-closed
+                // (a new one too: unknown, its address would be passed through direct).
+                if let Some(stand_in) =
+                    r.resource.as_ref().and_then(|a| convert::address_stand_in(&a.value, why))
+                {
+                    tracing::warn!(resource = %r.name, error = %why, "xDS: address resource refused \
+                        (NACKed); it is held fail-closed until a good version arrives: every \
+                        connection addressed to it is refused, none goes direct");
+                    return Some(stand_in);
+                }
                 let mut w = (*self.store.workload_by_uid(&r.name)?).clone();
                 tracing::warn!(resource = %r.name, error = %why, "xDS: new version of a workload refused \
                     (NACKed); its held version is kept and every connection to it is denied until a good \
