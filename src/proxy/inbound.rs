@@ -15,7 +15,7 @@ use tokio::net::TcpStream;
 use tracing::Instrument;
 
 use super::{drain_cut, relay, reset_on_close, ConnRecord, Copied, Ctx, Leg};
-use crate::hbone::{check_connect, server_builder, ConnectRefusal, H2Stream};
+use crate::hbone::{server_builder, ConnectRefusal, H2Stream};
 use crate::identity::Identity;
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
 use crate::net::netns::Netns;
@@ -248,14 +248,14 @@ async fn accept_connect(
         answer(e.status())
     };
     let own_ports: &[u16] = if netns.is_some() { &crate::inpod::PROXY_PORTS } else { &[] };
-    let (target, dst_wl) =
-        match check_connect(&req, reached, own_ports, |ip| ctx.state.local_workload_by_ip(ip)) {
-            Ok(x) => x,
-            Err(e) => {
-                refuse(e, &mut answer);
-                return None;
-            }
-        };
+    let accepted = match super::target::accept(&ctx.state, &req, reached, own_ports) {
+        Ok(a) => a,
+        Err(e) => {
+            refuse(e, &mut answer);
+            return None;
+        }
+    };
+    let (target, dst_wl) = (accepted.authz_dst, accepted.workload.clone());
     let src_wl = ctx.state.workload_by_ip(peer.ip());
     let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
         .with_source(src_wl.as_deref(), Some(peer_id.to_string()))
@@ -269,21 +269,46 @@ async fn accept_connect(
         answer(StatusCode::UNAUTHORIZED);
         return None;
     }
-    let source = ctx.transparent.then_some(peer.ip());
-    let upstream = match dial_unless_revoked(target, ctx.dial_opts(source, netns), &tracked).await {
-        Dialled::Up(u) => u,
-        Dialled::Failed(e) => {
-            refuse(ConnectRefusal::Upstream(target, e.to_string()), &mut answer);
-            return None;
+    // An application tunnel inside a pod is dialled on loopback (it binds there, so nothing
+    // reaches it but this proxy); the PROXY header carries the source.
+    let (dial_to, source) = match (accepted.tunnel, netns) {
+        (true, Some(_)) => {
+            let lo = if accepted.upstream.is_ipv4() {
+                std::net::IpAddr::from(std::net::Ipv4Addr::LOCALHOST)
+            } else {
+                std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
+            };
+            (SocketAddr::new(lo, accepted.upstream.port()), None)
         }
-        Dialled::Revoked(reason) => {
-            // Denied by a policy that arrived while the app was being dialled: the dial is
-            // abandoned, the app never sees the connection.
-            ConnRecord::denied(ctx, peer, target, labels, &reason);
-            answer(StatusCode::UNAUTHORIZED);
-            return None;
-        }
+        (true, None) => (accepted.upstream, None),
+        (false, _) => (accepted.upstream, ctx.transparent.then_some(peer.ip())),
     };
+    let mut upstream =
+        match dial_unless_revoked(dial_to, ctx.dial_opts(source, netns), &tracked).await {
+            Dialled::Up(u) => u,
+            Dialled::Failed(e) => {
+                refuse(ConnectRefusal::Upstream(dial_to, e.to_string()), &mut answer);
+                return None;
+            }
+            Dialled::Revoked(reason) => {
+                // Denied by a policy that arrived while the app was being dialled: the dial is
+                // abandoned, the app never sees the connection.
+                ConnRecord::denied(ctx, peer, target, labels, &reason);
+                answer(StatusCode::UNAUTHORIZED);
+                return None;
+            }
+        };
+    if let Some(dst) = accepted.proxy_destination {
+        let sent = match super::target::proxy_header(peer, dst, Some(peer_id)) {
+            Ok(h) => upstream.write_all(&h).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = sent {
+            reset_on_close(&upstream);
+            refuse(ConnectRefusal::Upstream(dial_to, format!("PROXY header: {e}")), &mut answer);
+            return None;
+        }
+    }
     let rec = ConnRecord::open(ctx, peer, target, labels);
     let send = match respond.send_response(status(StatusCode::OK), false) {
         Ok(s) => s,

@@ -7,6 +7,7 @@ pub mod drain;
 pub mod inbound;
 pub mod outbound;
 pub mod registry;
+pub mod target;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
