@@ -148,8 +148,8 @@ pub async fn connect(
     let req = Request::builder()
         .method(Method::CONNECT)
         .uri(target.to_string())
-        .header("forwarded", headers.forwarded())
         .header("baggage", &headers.baggage)
+        .header("forwarded", headers.forwarded())
         .header("traceparent", traceparent())
         .body(())
         .map_err(|e| HboneError::H2(e.to_string()))?;

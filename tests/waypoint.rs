@@ -1,0 +1,257 @@
+//! Waypoints end to end. A test waypoint (an HBONE terminator in this harness: mTLS as the
+//! waypoint's identity, HTTP/2 CONNECT) records what each connection asks for; the node proxy's
+//! choices are compared with what a real ztunnel sent to the same kind of waypoint
+//! (`tests/fixtures/ztunnel-waypoint/outbound.json`, recorded by
+//! `scripts/record-ztunnel-waypoint.sh`): the CONNECT target, the identity presented, the
+//! headers, the waypoint's own HBONE port.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::{ip, metric, temp_dir, wait_for};
+use mbtunnel::config::Config;
+use mbtunnel::config::KeyAlgorithm;
+use mbtunnel::identity::ca::DevCa;
+use mbtunnel::identity::store::CertStore;
+use mbtunnel::metrics::Metrics;
+use mbtunnel::signer::Signer;
+use mbtunnel::tls::TlsProvider;
+use prometheus_client::registry::Registry;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket};
+
+const NET: u8 = 120;
+const WAYPOINT_ID: &str = "spiffe://cluster.local/ns/default/sa/waypoint";
+const CLIENT_ID: &str = "spiffe://cluster.local/ns/default/sa/client";
+
+/// One CONNECT the test waypoint saw.
+#[derive(Clone, Debug)]
+struct Seen {
+    authority: String,
+    /// Regular headers, in order.
+    headers: Vec<(String, String)>,
+    peer_identity: String,
+}
+
+/// The test waypoint: accepts mTLS as `WAYPOINT_ID` on `addr`, records each CONNECT, answers
+/// 200 and echoes the stream.
+async fn test_waypoint(ca_dir: &std::path::Path, addr: SocketAddr) -> Arc<Mutex<Vec<Seen>>> {
+    let ca = DevCa::load_or_create(ca_dir, "cluster.local").unwrap();
+    let store = Arc::new(CertStore::new(ca, KeyAlgorithm::EcdsaP256, Duration::from_secs(3600)));
+    let metrics = Arc::new(Metrics::new(&mut Registry::default()));
+    let tls = Arc::new(TlsProvider::new(
+        store,
+        Signer::start(mbtunnel::signer::SignerConfig { threads: 1, ..Default::default() }),
+        "cluster.local".into(),
+        metrics,
+    ));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let l = TcpListener::bind(addr).await.expect("bind test waypoint");
+    let s2 = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = l.accept().await else { return };
+            let (tls, seen) = (tls.clone(), s2.clone());
+            tokio::spawn(async move {
+                let me = WAYPOINT_ID.parse().unwrap();
+                let Ok((stream, peer)) = tls.accept(tcp, &me).await else { return };
+                let Ok(mut conn) = h2::server::handshake(stream).await else { return };
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    seen.lock().unwrap().push(Seen {
+                        authority: req.uri().authority().map(|a| a.to_string()).unwrap_or_default(),
+                        headers: req
+                            .headers()
+                            .iter()
+                            .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").to_string()))
+                            .collect(),
+                        peer_identity: peer.to_string(),
+                    });
+                    let mut body = req.into_body();
+                    let mut send = respond.send_response(http::Response::new(()), false).unwrap();
+                    tokio::spawn(async move {
+                        while let Some(Ok(d)) = body.data().await {
+                            let _ = body.flow_control().release_capacity(d.len());
+                            if send.send_data(d, false).is_err() {
+                                return;
+                            }
+                        }
+                        let _ = send.send_data(Bytes::new(), true);
+                    });
+                }
+            });
+        }
+    });
+    seen
+}
+
+/// A node proxy for the client workload whose outbound listener stands at `dst` (the
+/// destination the app dials: in this loopback harness the listener is the destination).
+fn client_node(ca: &std::path::Path, dst: &str, me: u8) -> Config {
+    let yaml = format!(
+        r#"
+node_name: node-a
+ca_dir: {ca}
+outbound_addr: "{dst}"
+inbound_addr: "127.0.{NET}.{me}:15008"
+inbound_plaintext_addr: "127.0.{NET}.{me}:15006"
+metrics_addr: "127.0.{NET}.{me}:15020"
+readiness_addr: "127.0.{NET}.{me}:15021"
+admin_addr: "127.0.{NET}.{me}:15000"
+workloads:
+  - {{uid: cluster1//v1/Pod/default/client, name: client, namespace: default, service_account: client,
+      ips: ["127.0.{NET}.2"], node: node-a, cluster_id: cluster1, workload_name: client,
+      canonical_name: client, canonical_revision: v1}}
+  - {{uid: cluster1//v1/Pod/default/server, name: server, namespace: default, service_account: server,
+      ips: ["127.0.{NET}.4"], node: node-b,
+      waypoint: {{address: "127.0.{NET}.60", hbone_port: 15019}}}}
+  - {{uid: cluster1//v1/Pod/default/waypoint, name: waypoint, namespace: default,
+      service_account: waypoint, ips: ["127.0.{NET}.9"], node: node-w}}
+services:
+  - {{name: server, namespace: default, vips: ["127.0.{NET}.50"], ports: [{{port: 8080}}],
+      workloads: [cluster1//v1/Pod/default/server],
+      waypoint: {{hostname: default/waypoint.default.svc.cluster.local, hbone_port: 15019}}}}
+  - {{name: waypoint, namespace: default, vips: ["127.0.{NET}.60"], ports: [{{port: 15019}}],
+      workloads: [cluster1//v1/Pod/default/waypoint]}}
+"#,
+        ca = ca.display()
+    );
+    Config::from_yaml(&yaml, std::path::Path::new("waypoint-test.yaml")).expect("config")
+}
+
+/// Sends a line from the client workload's address to `dst` and returns the local address used
+/// and whether it came back.
+async fn send_from_client(dst: SocketAddr, line: &[u8]) -> (SocketAddr, bool) {
+    let s = TcpSocket::new_v4().unwrap();
+    s.bind(SocketAddr::new(ip(NET, 2), 0)).unwrap();
+    let mut c = s.connect(dst).await.expect("connect");
+    let local = c.local_addr().unwrap();
+    c.write_all(line).await.unwrap();
+    c.shutdown().await.unwrap();
+    let mut back = Vec::new();
+    let r = tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut back)).await;
+    (local, matches!(r, Ok(Ok(_))) && back == line)
+}
+
+fn fixture() -> serde_json::Value {
+    serde_json::from_str(include_str!("fixtures/ztunnel-waypoint/outbound.json")).unwrap()
+}
+
+/// ztunnel's CONNECT in a recorded case.
+fn ztunnel_case(name: &str) -> (serde_json::Value, Vec<(String, String)>) {
+    let f = fixture();
+    let case = f["cases"].as_array().unwrap().iter().find(|c| c["name"] == name).unwrap().clone();
+    let headers = case["waypoint_connects"][0]["headers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| (h[0].as_str().unwrap().to_string(), h[1].as_str().unwrap().to_string()))
+        .collect();
+    (case, headers)
+}
+
+fn header<'a>(h: &'a [(String, String)], name: &str) -> &'a str {
+    h.iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_else(|| panic!("no {name}"))
+}
+
+fn is_traceparent(v: &str) -> bool {
+    let p: Vec<&str> = v.split('-').collect();
+    p.len() == 4
+        && p[0] == "00"
+        && p[1].len() == 32
+        && p[2].len() == 16
+        && p[3].len() == 2
+        && p.iter().all(|x| x.chars().all(|c| c.is_ascii_hexdigit()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn service_and_pod_addressed_traffic_goes_to_the_waypoint_as_ztunnel_sends_it() {
+    let ca = temp_dir("waypoint-ca");
+    let vip: SocketAddr = format!("127.0.{NET}.50:8080").parse().unwrap();
+    let pod: SocketAddr = format!("127.0.{NET}.4:8080").parse().unwrap();
+    // Two proxies for the same client workload, one per destination the app dials.
+    let a_vip = mbtunnel::app::start(client_node(&ca, &vip.to_string(), 10), None).await.unwrap();
+    let a_pod = mbtunnel::app::start(client_node(&ca, &pod.to_string(), 11), None).await.unwrap();
+    assert!(a_vip.wait_ready(Duration::from_secs(30)).await);
+    assert!(a_pod.wait_ready(Duration::from_secs(30)).await);
+    // Nothing listens on the waypoint's 15008: only its HBONE port (15019) can be used.
+    let seen = test_waypoint(&ca, SocketAddr::new(ip(NET, 9), 15019)).await;
+
+    let (vip_src, ok) = send_from_client(vip, b"case=service\n").await;
+    assert!(ok, "service-addressed traffic came back through the waypoint");
+    let (pod_src, ok) = send_from_client(pod, b"case=pod\n").await;
+    assert!(ok, "pod-addressed traffic came back through the waypoint");
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+
+    for (ours, src, zt_case, addressed) in
+        [(&seen[0], vip_src, "a_service_vip", vip), (&seen[1], pod_src, "b_workload_ip", pod)]
+    {
+        let (case, zt) = ztunnel_case(zt_case);
+        // The CONNECT target is the destination as the app dialled it — ztunnel's rule.
+        assert_eq!(
+            header(&zt, ":authority"),
+            case["input"]["app_connects_to"].as_str().unwrap(),
+            "{zt_case}"
+        );
+        assert_eq!(ours.authority, addressed.to_string(), "{zt_case}");
+        // The client's identity, as ztunnel presents it.
+        assert_eq!(case["waypoint_connects"][0]["client_cert"]["uri_sans"][0], CLIENT_ID);
+        assert_eq!(ours.peer_identity, CLIENT_ID, "{zt_case}");
+        // The same headers in the same order.
+        let names = |h: &[(String, String)]| -> Vec<String> {
+            h.iter().map(|(k, _)| k.clone()).filter(|k| !k.starts_with(':')).collect()
+        };
+        assert_eq!(names(&ours.headers), names(&zt), "{zt_case}");
+        // Baggage: the same workload attributes give the same value.
+        assert_eq!(header(&ours.headers, "baggage"), header(&zt, "baggage"), "{zt_case}");
+        // Forwarded: the app's address; `;host=` only when service-addressed.
+        let zt_fwd = header(&zt, "forwarded");
+        let zt_src = case["app_saw"]["local"].as_str().unwrap();
+        let ours_fwd = header(&ours.headers, "forwarded");
+        assert_eq!(ours_fwd, zt_fwd.replace(zt_src, &src.to_string()), "{zt_case}");
+        assert!(is_traceparent(header(&zt, "traceparent")));
+        assert!(is_traceparent(header(&ours.headers, "traceparent")), "{ours:?}");
+    }
+    assert!(
+        header(&seen[0].headers, "forwarded").ends_with(";host=server.default.svc.cluster.local")
+    );
+
+    // Reported as ztunnel reports it: the waypoint is the destination workload, the service
+    // the intended one.
+    let t = a_vip.metrics_text();
+    assert!(
+        wait_for(|| metric(
+            &a_vip.metrics_text(),
+            "istio_tcp_connections_closed_total",
+            &[
+                "destination_workload=\"waypoint\"",
+                "destination_service=\"server.default.svc.cluster.local\""
+            ]
+        ) == Some(1.0))
+        .await,
+        "{t}"
+    );
+    assert!(
+        wait_for(|| metric(
+            &a_pod.metrics_text(),
+            "istio_tcp_connections_closed_total",
+            &[
+                "destination_workload=\"waypoint\"",
+                "destination_principal=\"spiffe://cluster.local/ns/default/sa/waypoint\""
+            ]
+        ) == Some(1.0))
+        .await,
+        "{}",
+        a_pod.metrics_text()
+    );
+    a_vip.shutdown().await;
+    a_pod.shutdown().await;
+    let _ = std::fs::remove_dir_all(&ca);
+}
