@@ -49,7 +49,7 @@ pub fn accept<B>(
     own_ports: &[u16],
 ) -> Result<Accepted, ConnectRefusal> {
     let e = match check_connect(req, reached, own_ports, |ip| state.local_workload_by_ip(ip)) {
-        Ok((target, w)) => return Ok(deliver(w, target.port(), target, own_ports)?),
+        Ok((target, w)) => return deliver(w, target.port(), target, own_ports),
         Err(e @ (ConnectRefusal::UnknownTarget(_) | ConnectRefusal::AddressMismatch { .. })) => e,
         Err(e @ ConnectRefusal::Authority(_)) => {
             return by_hostname(state, req, reached, own_ports).ok_or(e)?
@@ -242,8 +242,10 @@ services:
     fn inbound_waypoint_table() {
         use Attach::*;
         let server = "server.default.svc.cluster.local";
+        // Delivered to (ip, port, PROXY destination), or refused.
+        type Delivered<'a> = Option<(&'a str, u16, Option<String>)>;
         #[rustfmt::skip]
-        let cases: &[(&str, Attach, bool, &str, String, Option<(&str, u16, Option<String>)>)] = &[
+        let cases: &[(&str, Attach, bool, &str, String, Delivered)] = &[
             // (name, attachment, app tunnel, reached, CONNECT target, delivered to (ip, port, PROXY destination))
             ("to workload no waypoint", None, false, SERVER_POD, format!("{SERVER_POD}:8080"), Some((SERVER_POD, 8080, Option::None))),
             ("svc hostname to workload no waypoint", None, false, SERVER_POD, format!("{server}:80"), Some((SERVER_POD, 8080, Option::None))),
