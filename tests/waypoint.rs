@@ -255,3 +255,223 @@ async fn service_and_pod_addressed_traffic_goes_to_the_waypoint_as_ztunnel_sends
     a_pod.shutdown().await;
     let _ = std::fs::remove_dir_all(&ca);
 }
+
+// --- In network namespaces: a waypoint enrolled in the mesh, with an application tunnel ---------
+
+use common::cluster::{connect_from, echo_in, sa, wait, Cni, Node};
+use common::netns::Sim;
+use mbtunnel::inpod::zds::WorkloadRequest;
+use mbtunnel::redirect::Backend;
+use std::io::{Read, Write};
+
+/// Both nodes' mesh state. Node 1: the client, the server (echo on 8080) and a pod outside the
+/// mesh; node 2: the waypoint, enrolled, whose application tunnel (PROXY, 15088) is the test
+/// waypoint. The server's service and the server itself both name the waypoint (by hostname and
+/// by its service VIP); node 1 lets only the waypoint's identity reach the server.
+fn sandwich_config(node: u8, ca: &std::path::Path, cni: &std::path::Path) -> Config {
+    let yaml = format!(
+        r#"
+node_name: node-{node}
+ca_dir: {ca}
+inpod_enabled: true
+inpod_socket: {cni}
+drain_timeout_secs: 1
+outbound_addr: 127.0.0.1:0
+inbound_addr: 127.0.0.1:0
+inbound_plaintext_addr: 127.0.0.1:0
+metrics_addr: 127.0.0.1:0
+readiness_addr: 127.0.0.1:0
+admin_addr: 127.0.0.1:0
+workloads:
+  - {{uid: client-uid, name: client, namespace: demo, service_account: client, ips: [10.0.1.2], node: node-1}}
+  - {{uid: server-uid, name: server, namespace: demo, service_account: server, ips: [10.0.1.3], node: node-1,
+      waypoint: {{address: 10.96.0.9, hbone_port: 15008}}}}
+  - {{uid: legacy-uid, name: legacy, namespace: demo, service_account: legacy, ips: [10.0.1.4], node: node-1,
+      protocol: TCP}}
+  - {{uid: waypoint-uid, name: waypoint, namespace: demo, service_account: waypoint, ips: [10.0.2.2],
+      node: node-2, application_tunnel: {{protocol: PROXY, port: 15088}}}}
+services:
+  - {{name: server, namespace: demo, vips: [10.96.0.2], ports: [{{port: 80, target_port: 8080}}],
+      workloads: [server-uid], waypoint: {{hostname: demo/waypoint.demo.svc.cluster.local, hbone_port: 15008}}}}
+  - {{name: waypoint, namespace: demo, vips: [10.96.0.9], ports: [{{port: 15008}}], workloads: [waypoint-uid]}}
+policies:
+  - {{name: only-via-waypoint, namespace: demo, scope: WORKLOAD_SELECTOR, action: ALLOW,
+      rules: [{{clauses: [{{matches: [{{principals: [{{exact: cluster.local/ns/demo/sa/waypoint}}]}}]}}]}}]}}
+"#,
+        ca = ca.display(),
+        cni = cni.display()
+    );
+    let mut cfg = Config::from_yaml(&yaml, std::path::Path::new("sandwich.yaml")).expect("config");
+    // The ALLOW selects the server only (as istiod lists a WORKLOAD_SELECTOR policy on it).
+    for w in &mut cfg.workloads {
+        if w.uid == "server-uid" {
+            w.authorization_policies = vec!["demo/only-via-waypoint".into()];
+        }
+    }
+    cfg
+}
+
+/// One PROXY v2 header the test waypoint read.
+#[derive(Clone, Debug)]
+struct ProxySeen {
+    source: SocketAddr,
+    destination: SocketAddr,
+    identity: String,
+}
+
+/// The test waypoint of the namespace test: reads each connection's PROXY v2 header, records
+/// it, then forwards as a waypoint would — to an endpoint of the destination (the VIP's is the
+/// server pod), from inside the waypoint pod, where node 2 captures it.
+fn tunnel_waypoint(
+    pod: &common::netns::Pod,
+    vip: SocketAddr,
+    endpoint: SocketAddr,
+) -> Arc<Mutex<Vec<ProxySeen>>> {
+    let l = pod.run(|| std::net::TcpListener::bind("127.0.0.1:15088")).expect("bind tunnel port");
+    let ns = pod.ns.clone();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { return };
+            let (ns, seen) = (ns.clone(), s2.clone());
+            std::thread::spawn(move || {
+                let mut head = [0u8; 16];
+                if c.read_exact(&mut head).is_err() {
+                    return;
+                }
+                let len = u16::from_be_bytes([head[14], head[15]]) as usize;
+                let mut rest = vec![0u8; len];
+                if c.read_exact(&mut rest).is_err() {
+                    return;
+                }
+                let all = [&head[..], &rest[..]].concat();
+                let h = ppp::v2::Header::try_from(&all[..]).expect("a PROXY v2 header");
+                let (source, destination) = match h.addresses {
+                    ppp::v2::Addresses::IPv4(a) => (
+                        SocketAddr::new(a.source_address.into(), a.source_port),
+                        SocketAddr::new(a.destination_address.into(), a.destination_port),
+                    ),
+                    other => panic!("addresses {other:?}"),
+                };
+                let identity = h
+                    .tlvs()
+                    .filter_map(Result::ok)
+                    .find(|t| t.kind == 0xD0)
+                    .map(|t| String::from_utf8_lossy(&t.value).to_string())
+                    .unwrap_or_default();
+                seen.lock().unwrap().push(ProxySeen { source, destination, identity });
+                let to = if destination == vip { endpoint } else { destination };
+                let Ok(Ok(mut up)) = ns.run_blocking(move || {
+                    std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5))
+                }) else {
+                    return;
+                };
+                let mut c2 = c.try_clone().unwrap();
+                let mut up2 = up.try_clone().unwrap();
+                let t = std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut c2, &mut up2);
+                    let _ = up2.shutdown(std::net::Shutdown::Write);
+                });
+                let _ = std::io::copy(&mut up, &mut c);
+                let _ = c.shutdown(std::net::Shutdown::Write);
+                let _ = t.join();
+            });
+        }
+    });
+    seen
+}
+
+fn echo_works(pod: &common::netns::Pod, dst: SocketAddr) -> bool {
+    let Ok(mut s) = connect_from(pod, dst) else { return false };
+    if s.write_all(b"via the waypoint").is_err() || s.shutdown(std::net::Shutdown::Write).is_err() {
+        return false;
+    }
+    let mut back = Vec::new();
+    s.read_to_end(&mut back).is_ok() && back == b"via the waypoint"
+}
+
+#[test]
+fn a_waypoint_in_the_mesh_gets_its_traffic_through_its_application_tunnel_and_sends_it_on() {
+    require_netns!();
+    let sim = Sim::two_nodes();
+    let dir = temp_dir("waypoint-sandwich");
+    std::fs::create_dir_all(&dir).unwrap();
+    let (s1, s2) = (dir.join("cni-1.sock"), dir.join("cni-2.sock"));
+    let (mut cni1, mut cni2) = (Cni::new(s1.clone()), Cni::new(s2.clone()));
+    let ca = dir.join("ca");
+    let n1 = Node::start(&sim, 1, sandwich_config(1, &ca, &s1));
+    let n2 = Node::start(&sim, 2, sandwich_config(2, &ca, &s2));
+    cni1.accept();
+    cni2.accept();
+    let client = sim.add_pod(1, 2);
+    let server = sim.add_pod(1, 3);
+    let legacy = sim.add_pod(1, 4);
+    let wp = sim.add_pod(2, 2);
+    let _echo = echo_in(&server);
+    let (vip, pod_addr) = (sa("10.96.0.2".parse().unwrap(), 80), sa(server.v4, 8080));
+    let seen = tunnel_waypoint(&wp, vip, pod_addr);
+    for (cni, pod, uid, name, sa_) in [
+        (&cni1, &client, "client-uid", "client", "client"),
+        (&cni1, &server, "server-uid", "server", "server"),
+        (&cni2, &wp, "waypoint-uid", "waypoint", "waypoint"),
+    ] {
+        assert_eq!(cni.enroll(pod, uid, name, sa_, Backend::Iptables), "", "{uid}");
+    }
+    for cni in [&cni1, &cni2] {
+        assert_eq!(cni.send(WorkloadRequest::snapshot_sent(), None), "");
+    }
+
+    // Service-addressed, then pod-addressed: both through the waypoint, and on to the server.
+    assert!(echo_works(&client, vip), "service-addressed traffic through the waypoint");
+    assert!(echo_works(&client, pod_addr), "pod-addressed traffic through the waypoint");
+    let got = seen.lock().unwrap().clone();
+    assert_eq!(got.len(), 2, "one tunnelled connection each, none looped back: {got:?}");
+    for (g, dst) in got.iter().zip([vip, pod_addr]) {
+        assert_eq!(g.destination, dst, "PROXY destination = the CONNECT target");
+        assert_eq!(g.identity, "spiffe://cluster.local/ns/demo/sa/client");
+        assert_eq!(g.source.ip(), client.v4, "PROXY source = the HBONE peer (the client pod)");
+    }
+    // The waypoint's own connections reached the server with the waypoint's identity (the
+    // server's ALLOW names only it), and node 1 reports them so.
+    wait("the server side counted the waypoint's connections", || {
+        metric(
+            &n1.metrics(),
+            "istio_tcp_connections_closed_total",
+            &[
+                "reporter=\"destination\"",
+                "source_principal=\"spiffe://cluster.local/ns/demo/sa/waypoint\"",
+                "destination_workload=\"server\"",
+            ],
+        ) == Some(2.0)
+    });
+    // The client's node reports the waypoint as the destination, the service as intended.
+    let t = n1.metrics();
+    assert_eq!(
+        metric(
+            &t,
+            "istio_tcp_connections_closed_total",
+            &[
+                "reporter=\"source\"",
+                "destination_workload=\"waypoint\"",
+                "destination_service=\"server.demo.svc.cluster.local\"",
+            ]
+        ),
+        Some(1.0),
+        "{t}"
+    );
+
+    // A bypass: a pod outside the mesh dials the server directly. The server accepts only what
+    // came through its waypoint, so node 1 refuses it.
+    assert!(!echo_works(&legacy, pod_addr), "a direct connection bypassed the waypoint");
+    wait("the bypass counted as denied", || {
+        metric(
+            &n1.metrics(),
+            "istio_tcp_connections_opened_total",
+            &["response_flags=\"DENY\"", "destination_workload=\"server\""],
+        ) == Some(1.0)
+    });
+    assert_eq!(seen.lock().unwrap().len(), 2, "the waypoint saw nothing more");
+    drop((n1, n2, cni1, cni2));
+    let _ = std::fs::remove_dir_all(&dir);
+}
