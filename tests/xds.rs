@@ -544,3 +544,105 @@ async fn a_connection_before_the_first_sync_waits_for_the_policies() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// `cp::service` with `waypoint` set.
+fn with_waypoint(
+    s: (String, Vec<u8>),
+    waypoint: Option<mbtunnel::proto::workload::GatewayAddress>,
+) -> (String, Vec<u8>) {
+    use mbtunnel::proto::workload as pb;
+    use prost::Message;
+    let mut a = pb::Address::decode(&s.1[..]).unwrap();
+    let Some(pb::address::Type::Service(svc)) = a.r#type.as_mut() else { panic!() };
+    svc.waypoint = waypoint;
+    (s.0, a.encode_to_vec())
+}
+
+/// Waypoint fields over xDS: a reference the state cannot resolve is accepted (it may arrive in
+/// a later push) but every connection to the service is refused, counted, never sent direct; a
+/// malformed waypoint is NACKed and its service held fail-closed; a good version applies again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waypoint_references_fail_closed() {
+    use mbtunnel::proto::workload as pb;
+    let net = 108;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("xds-never-ca-wp");
+    let echo = || cp::service("echo", ip(net, 50), 8080);
+    let unknown = pb::GatewayAddress {
+        destination: Some(pb::gateway_address::Destination::Hostname(pb::NamespacedHostname {
+            namespace: "demo".into(),
+            hostname: "waypoint.demo.svc.cluster.local".into(),
+        })),
+        hbone_mtls_port: 15008,
+    };
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            cp::workload(
+                "e1",
+                "echo",
+                "echo",
+                ip(net, 3),
+                "node-b",
+                &[("demo/echo.demo.svc.cluster.local", 8080)],
+            ),
+            with_waypoint(echo(), Some(unknown.clone())),
+        ],
+    );
+    let peers = start_echo(SocketAddr::new(ip(net, 3), 8080)).await;
+    let (a, b) = cp::start_pair(net, &cp, &never).await;
+    let svc = a.ctx.state.service_by_vip(ip(net, 50)).expect("service decoded");
+    assert_eq!(
+        svc.waypoint.as_ref().map(|w| w.to_string()).as_deref(),
+        Some("demo/waypoint.demo.svc.cluster.local (HBONE port 15008)")
+    );
+    assert!(!echo_ok(net, 2).await, "a service with an unknown waypoint was reached");
+    let am = a.metrics_text();
+    assert_eq!(
+        metric(&am, "mbtunnel_connections_refused_total", &["waypoint_unknown"]),
+        Some(1.0),
+        "{am}"
+    );
+    assert!(peers.lock().unwrap().is_empty(), "sent direct to the endpoint");
+
+    // A waypoint that names nothing: NACKed; the service stands in fail-closed.
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![with_waypoint(
+            echo(),
+            Some(pb::GatewayAddress { destination: None, hbone_mtls_port: 15008 }),
+        )],
+    );
+    assert!(nacked(&cp, "demo/echo.demo.svc.cluster.local").await, "{:?}", cp.seen());
+    assert!(
+        wait_for(|| a
+            .ctx
+            .state
+            .service_by_vip(ip(net, 50))
+            .is_some_and(|s| s.fail_closed.is_some()))
+        .await
+    );
+    assert!(!echo_ok(net, 2).await, "a service refused for its waypoint was reached");
+    let am = a.metrics_text();
+    assert_eq!(
+        metric(&am, "mbtunnel_connections_refused_total", &["destination_fail_closed"]),
+        Some(1.0),
+        "{am}"
+    );
+    assert!(peers.lock().unwrap().is_empty(), "sent direct to the endpoint");
+
+    // A good version without a waypoint: straight to the endpoint again.
+    cp.upsert(ADDRESS_TYPE, vec![echo()]);
+    assert!(
+        wait_for(|| a
+            .ctx
+            .state
+            .service_by_vip(ip(net, 50))
+            .is_some_and(|s| s.fail_closed.is_none()))
+        .await
+    );
+    assert!(echo_ok(net, 2).await, "the good version applies");
+    a.shutdown().await;
+    b.shutdown().await;
+}
