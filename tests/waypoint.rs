@@ -40,6 +40,18 @@ struct Seen {
 /// The test waypoint: accepts mTLS as `WAYPOINT_ID` on `addr`, records each CONNECT, answers
 /// 200 and echoes the stream.
 async fn test_waypoint(ca_dir: &std::path::Path, addr: SocketAddr) -> Arc<Mutex<Vec<Seen>>> {
+    hbone_terminator(ca_dir, addr, WAYPOINT_ID, None).await
+}
+
+/// An HBONE terminator as `identity` on `addr` that records each CONNECT, answers 200, then
+/// echoes the stream, or (`forward`) relays its bytes to a TCP connection to that address, as a
+/// network gateway passes the inner tunnel of double HBONE on to a destination's node.
+async fn hbone_terminator(
+    ca_dir: &std::path::Path,
+    addr: SocketAddr,
+    identity: &'static str,
+    forward: Option<SocketAddr>,
+) -> Arc<Mutex<Vec<Seen>>> {
     let ca = DevCa::load_or_create(ca_dir, "cluster.local").unwrap();
     let store = Arc::new(CertStore::new(ca, KeyAlgorithm::EcdsaP256, Duration::from_secs(3600)));
     let metrics = Arc::new(Metrics::new(&mut Registry::default()));
@@ -57,7 +69,7 @@ async fn test_waypoint(ca_dir: &std::path::Path, addr: SocketAddr) -> Arc<Mutex<
             let Ok((tcp, _)) = l.accept().await else { return };
             let (tls, seen) = (tls.clone(), s2.clone());
             tokio::spawn(async move {
-                let me = WAYPOINT_ID.parse().unwrap();
+                let me = identity.parse().unwrap();
                 let Ok((stream, peer)) = tls.accept(tcp, &me).await else { return };
                 let Ok(mut conn) = h2::server::handshake(stream).await else { return };
                 while let Some(Ok((req, mut respond))) = conn.accept().await {
@@ -72,6 +84,14 @@ async fn test_waypoint(ca_dir: &std::path::Path, addr: SocketAddr) -> Arc<Mutex<
                     });
                     let mut body = req.into_body();
                     let mut send = respond.send_response(http::Response::new(()), false).unwrap();
+                    if let Some(to) = forward {
+                        tokio::spawn(async move {
+                            let mut up = tokio::net::TcpStream::connect(to).await.unwrap();
+                            let mut io = mbtunnel::hbone::H2Stream::new(send, body);
+                            let _ = tokio::io::copy_bidirectional(&mut io, &mut up).await;
+                        });
+                        continue;
+                    }
                     tokio::spawn(async move {
                         while let Some(Ok(d)) = body.data().await {
                             let _ = body.flow_control().release_capacity(d.len());
@@ -474,4 +494,93 @@ fn a_waypoint_in_the_mesh_gets_its_traffic_through_its_application_tunnel_and_se
     assert_eq!(seen.lock().unwrap().len(), 2, "the waypoint saw nothing more");
     drop((n1, n2, cni1, cni2));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+// --- Another network: double HBONE through a network gateway ------------------------------------
+
+const GW_NET: u8 = 121;
+const GATEWAY_ID: &str = "spiffe://cluster.local/ns/istio-system/sa/eastwest";
+
+/// Node A (the client's, network "") sees the echo workload on network "net2" without an
+/// address, reached through the east-west gateway; node B (the echo's, on net2) serves it.
+fn network_node(ca: &std::path::Path, node: &str) -> Config {
+    let (me, out, echo_ips) = match node {
+        "node-a" => (2, format!("127.0.{GW_NET}.50:8080"), "[]".to_string()),
+        _ => (3, format!("127.0.{GW_NET}.3:15001"), format!("[\"127.0.{GW_NET}.3\"]")),
+    };
+    let yaml = format!(
+        r#"
+node_name: {node}
+ca_dir: {ca}
+outbound_addr: "{out}"
+inbound_addr: "127.0.{GW_NET}.{me}:15008"
+inbound_plaintext_addr: "127.0.{GW_NET}.{me}:15006"
+metrics_addr: "127.0.{GW_NET}.{me}:15020"
+readiness_addr: "127.0.{GW_NET}.{me}:15021"
+admin_addr: "127.0.{GW_NET}.{me}:15000"
+workloads:
+  - {{uid: client-1, name: client, namespace: demo, service_account: client, ips: ["127.0.{GW_NET}.2"],
+      node: node-a}}
+  - {{uid: echo-1, name: echo, namespace: demo, service_account: echo, ips: {echo_ips}, node: node-b,
+      network: net2, network_gateway: {{address: "127.0.{GW_NET}.70", hbone_port: 15009}}}}
+  - {{uid: ew-1, name: eastwest, namespace: istio-system, service_account: eastwest,
+      ips: ["127.0.{GW_NET}.70"], node: node-g, network: net2}}
+services:
+  - {{name: echo, namespace: demo, vips: ["127.0.{GW_NET}.50"], ports: [{{port: 8080}}], workloads: [echo-1]}}
+"#,
+        ca = ca.display()
+    );
+    Config::from_yaml(&yaml, std::path::Path::new("network-test.yaml")).expect("config")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_network_is_reached_through_its_gateway_with_double_hbone() {
+    let ca = temp_dir("network-ca");
+    let echo = common::start_echo(SocketAddr::new(ip(GW_NET, 3), 8080)).await;
+    let b = mbtunnel::app::start(network_node(&ca, "node-b"), None).await.unwrap();
+    let a = mbtunnel::app::start(network_node(&ca, "node-a"), None).await.unwrap();
+    assert!(
+        a.wait_ready(Duration::from_secs(30)).await && b.wait_ready(Duration::from_secs(30)).await
+    );
+    // The gateway terminates the outer tunnel and passes the inner one to the echo's node.
+    let gw = hbone_terminator(
+        &ca,
+        SocketAddr::new(ip(GW_NET, 70), 15009),
+        GATEWAY_ID,
+        Some(b.bound.inbound),
+    )
+    .await;
+    let s = TcpSocket::new_v4().unwrap();
+    s.bind(SocketAddr::new(ip(GW_NET, 2), 0)).unwrap();
+    let mut c = s.connect(SocketAddr::new(ip(GW_NET, 50), 8080)).await.unwrap();
+    c.write_all(b"across networks").await.unwrap();
+    c.shutdown().await.unwrap();
+    let mut back = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut back)).await.unwrap().unwrap();
+    assert_eq!(back, b"across networks");
+    assert_eq!(echo.lock().unwrap().len(), 1, "the echo got the connection");
+    let seen = gw.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    // The outer CONNECT names the service by hostname and port; the client's identity.
+    assert_eq!(seen[0].authority, "echo.demo.svc.cluster.local:8080");
+    assert_eq!(seen[0].peer_identity, "spiffe://cluster.local/ns/demo/sa/client");
+    assert!(!seen[0].headers.iter().any(|(k, _)| k == "x-forwarded-network"), "outer only");
+    // Node B terminated the inner mTLS (the gateway saw only ciphertext) and counts it.
+    assert!(
+        wait_for(|| metric(
+            &b.metrics_text(),
+            "istio_tcp_connections_closed_total",
+            &[
+                "reporter=\"destination\"",
+                "source_principal=\"spiffe://cluster.local/ns/demo/sa/client\"",
+                "destination_workload=\"echo\"",
+            ]
+        ) == Some(1.0))
+        .await,
+        "{}",
+        b.metrics_text()
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    let _ = std::fs::remove_dir_all(&ca);
 }

@@ -19,11 +19,14 @@ use crate::tls::Stream;
 /// Headers of one HBONE request, as ztunnel sends them: `forwarded: for="<source>"` (plus
 /// `;host=<service hostname>` when the connection was addressed to a service), `baggage` with the
 /// source workload's attributes, and a fresh `traceparent`.
+#[derive(Clone, Debug)]
 pub struct ConnectHeaders {
     pub source: SocketAddr,
     pub baggage: String,
     /// The hostname of the service the connection was addressed to.
     pub host: Option<String>,
+    /// The source's network, sent as `x-forwarded-network` on the inner CONNECT of double HBONE.
+    pub network: Option<String>,
 }
 
 impl ConnectHeaders {
@@ -141,18 +144,20 @@ pub(super) async fn keepalive(ping: Option<h2::PingPong>) -> &'static str {
 /// Sends `CONNECT target` on `client` and waits for the tunnel.
 pub async fn connect(
     client: &mut H2Client,
-    target: SocketAddr,
+    target: &str,
     headers: &ConnectHeaders,
 ) -> Result<H2Stream, HboneError> {
     client.ready().await?;
-    let req = Request::builder()
+    let mut req = Request::builder()
         .method(Method::CONNECT)
-        .uri(target.to_string())
+        .uri(target)
         .header("baggage", &headers.baggage)
         .header("forwarded", headers.forwarded())
-        .header("traceparent", traceparent())
-        .body(())
-        .map_err(|e| HboneError::H2(e.to_string()))?;
+        .header("traceparent", traceparent());
+    if let Some(n) = &headers.network {
+        req = req.header("x-forwarded-network", n);
+    }
+    let req = req.body(()).map_err(|e| HboneError::H2(e.to_string()))?;
     let (resp, send) = client.sender.send_request(req, false)?;
     let resp = resp.await?;
     if resp.status() != StatusCode::OK {
@@ -165,12 +170,20 @@ pub async fn connect(
 /// connection, given back when the tunnel is dropped.
 pub struct Tunnel {
     io: H2Stream,
-    lease: super::pool::Lease,
+    /// Unset for the inner tunnel of double HBONE, whose h2 connection (`_inner`) runs over an
+    /// outer tunnel that holds the lease.
+    lease: Option<super::pool::Lease>,
+    _inner: Option<H2Client>,
 }
 
 impl Tunnel {
     pub(super) fn new(io: H2Stream, lease: super::pool::Lease) -> Tunnel {
-        Tunnel { io, lease }
+        Tunnel { io, lease: Some(lease), _inner: None }
+    }
+
+    /// The inner tunnel of double HBONE: a stream of `client`, an h2 connection of its own.
+    pub(super) fn inner(io: H2Stream, client: H2Client) -> Tunnel {
+        Tunnel { io, lease: None, _inner: Some(client) }
     }
 
     /// Ends the tunnel abnormally (its client connection was reset or cut): the far side resets
@@ -181,7 +194,7 @@ impl Tunnel {
 
     /// The worker thread its HBONE connection runs on (see [`crate::net::workers`]).
     pub fn home(&self) -> Option<usize> {
-        self.lease.home()
+        self.lease.as_ref().and_then(|l| l.home())
     }
 
     /// The `CONNECT` stream itself (for chunked, copy-free I/O).

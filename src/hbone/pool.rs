@@ -350,7 +350,7 @@ impl Pool {
     pub async fn tunnel(
         &self,
         key: &PoolKey,
-        target: SocketAddr,
+        target: &str,
         headers: &ConnectHeaders,
         netns: Option<&Netns>,
     ) -> Result<Tunnel, HboneError> {
@@ -365,6 +365,29 @@ impl Pool {
         }
         let up = client::connect(&mut sender, target, headers).await?;
         Ok(Tunnel::new(up, lease))
+    }
+
+    /// Double HBONE, through a network gateway to a destination on another network: an outer
+    /// tunnel to the gateway (`key`, pooled, CONNECT `authority`), then mutual TLS *inside* it
+    /// with the final destination, which must present one of `inner_ids`, an h2 connection of
+    /// its own (not pooled: each reaches whichever endpoint the gateway picks), and the inner
+    /// CONNECT to the same `authority` with `x-forwarded-network`.
+    pub async fn double(
+        &self,
+        key: &PoolKey,
+        authority: &str,
+        headers: &ConnectHeaders,
+        inner_ids: &[Identity],
+        netns: Option<&Netns>,
+    ) -> Result<Tunnel, HboneError> {
+        // The origin network goes on the inner CONNECT only, as ztunnel sends it.
+        let outer_headers = ConnectHeaders { network: None, ..headers.clone() };
+        let outer = self.tunnel(key, authority, &outer_headers, netns).await?;
+        let tls = self.tls.connect_to_any(outer, &key.src_id, inner_ids, None).await?;
+        let live = self.live.enter();
+        let mut inner = client::handshake(tls, key.dst, self.metrics.clone(), live).await?;
+        let io = client::connect(&mut inner, authority, headers).await?;
+        Ok(Tunnel::inner(io, inner))
     }
 }
 

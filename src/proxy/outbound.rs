@@ -135,8 +135,21 @@ pub async fn handle(
                     source: peer,
                     baggage: crate::hbone::baggage(&src_wl),
                     host: upstream.service.as_ref().map(|s| s.hostname()),
+                    network: upstream.double.as_ref().map(|_| src_wl.network.clone()),
                 };
-                match ctx.pool.tunnel(&key, upstream.target, &headers, netns.as_deref()).await {
+                let opened = match &upstream.double {
+                    // Another network: through its gateway, mTLS with the destination inside.
+                    Some(d) => {
+                        ctx.pool
+                            .double(&key, &d.authority, &headers, &d.identities, netns.as_deref())
+                            .await
+                    }
+                    None => {
+                        let target = upstream.target.to_string();
+                        ctx.pool.tunnel(&key, &target, &headers, netns.as_deref()).await
+                    }
+                };
+                match opened {
                     Ok(tunnel) => Some(Ready::Tunnel(client, tunnel, rec)),
                     Err(HboneError::Status(http::StatusCode::UNAUTHORIZED)) => {
                         reset_on_close(&client);

@@ -111,7 +111,11 @@ fn deliver(
     target: SocketAddr,
     own_ports: &[u16],
 ) -> Result<Accepted, ConnectRefusal> {
-    let ip = w.ips.iter().find(|ip| ip.is_ipv4() == target.is_ipv4()).unwrap_or(&w.ips[0]);
+    // A local workload has an address (it was reached at it).
+    let Some(ip) = w.ips.iter().find(|ip| ip.is_ipv4() == target.is_ipv4()).or(w.ips.first())
+    else {
+        return Err(ConnectRefusal::UnknownTarget(target));
+    };
     let (port, proxy_destination, tunnel) = match w.application_tunnel {
         Some(t) => {
             (t.port.unwrap_or(to_port), (t.protocol == TunnelHeader::Proxy).then_some(target), true)

@@ -30,6 +30,18 @@ pub enum Via {
     ServiceWaypoint,
     /// The destination workload's waypoint (traffic addressed to the pod's IP).
     WorkloadWaypoint,
+    /// A network gateway, with double HBONE, to a destination (or its waypoint) on another
+    /// network: [`Upstream::double`] says what the inner tunnel asks for.
+    Gateway,
+}
+
+/// The inner tunnel of double HBONE.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Double {
+    /// The CONNECT target of both tunnels: `<service hostname>:<port>`.
+    pub authority: String,
+    /// The identities the final destination (behind the gateway) may present.
+    pub identities: Vec<Identity>,
 }
 
 /// Where an outbound connection goes.
@@ -52,6 +64,8 @@ pub struct Upstream {
     /// when the next hop is a waypoint).
     pub service: Option<Arc<Service>>,
     pub via: Via,
+    /// Set for [`Via::Gateway`]: the next hop is the gateway, `identity`/`sans` are its own.
+    pub double: Option<Double>,
 }
 
 /// Why a mesh destination has no route. [`reason`](Self::reason) is the refusal metric's label.
@@ -67,8 +81,12 @@ pub enum LookupError {
     NoWaypointEndpoint { dst: String, waypoint: String },
     #[error("{what} is held fail-closed: {why}")]
     FailClosed { what: String, why: String },
-    #[error("{dst} is on network '{network}', this source on '{src_network}': cross-network traffic is not supported yet")]
-    OtherNetwork { dst: String, network: String, src_network: String },
+    #[error("{dst} is on network '{network}', this source on '{src_network}', and it has no network gateway")]
+    NoNetworkGateway { dst: String, network: String, src_network: String },
+    #[error("{dst}'s network gateway {gateway} is not in the mesh state or has no endpoint")]
+    UnknownGateway { dst: String, gateway: String },
+    #[error("{dst} is on another network: only service-addressed traffic crosses networks")]
+    NotServiceAddressed { dst: String },
 }
 
 impl LookupError {
@@ -79,7 +97,9 @@ impl LookupError {
             LookupError::UnknownWaypoint { .. } => "waypoint_unknown",
             LookupError::NoWaypointEndpoint { .. } => "waypoint_no_endpoint",
             LookupError::FailClosed { .. } => "destination_fail_closed",
-            LookupError::OtherNetwork { .. } => "other_network",
+            LookupError::NoNetworkGateway { .. } => "no_network_gateway",
+            LookupError::UnknownGateway { .. } => "network_gateway_unknown",
+            LookupError::NotServiceAddressed { .. } => "other_network_not_service",
         }
     }
 }
@@ -117,6 +137,9 @@ impl Store {
             }
             if let Some(wp) = &svc.waypoint {
                 let hop = self.waypoint_hop(&ix, wp, dst, &key)?;
+                if hop.workload.network != src_network {
+                    return self.through_gateway(&ix, hop, svc, dst, src_network).map(Some);
+                }
                 return Ok(Some(self.upstream(hop, dst, Some(svc.clone()), Via::ServiceWaypoint)));
             }
             let port = svc.ports.iter().find(|p| p.port == dst.port()).ok_or_else(|| {
@@ -129,18 +152,21 @@ impl Store {
                 .unwrap_or_default()
                 .iter()
                 .filter_map(|uid| ix.workloads.get(uid))
-                .filter(|w| w.fail_closed.is_none() && !w.ips.is_empty())
+                // Another network's endpoints may have no address: its gateway reaches them.
+                .filter(|w| {
+                    w.fail_closed.is_none()
+                        && (!w.ips.is_empty()
+                            || (w.network != src_network && w.network_gateway.is_some()))
+                })
                 .collect();
             if eps.is_empty() {
                 return Err(LookupError::NoEndpoints(key));
             }
             let w = eps[self.rr.fetch_add(1, Ordering::Relaxed) % eps.len()];
             if w.network != src_network {
-                return Err(LookupError::OtherNetwork {
-                    dst: format!("service {key} endpoint {}", w.uid),
-                    network: w.network.clone(),
-                    src_network: src_network.into(),
-                });
+                let hop =
+                    Hop { workload: w.clone(), addr: dst, sans: svc.subject_alt_names.clone() };
+                return self.through_gateway(&ix, hop, svc, dst, src_network).map(Some);
             }
             let mapped = w
                 .services
@@ -192,7 +218,42 @@ impl Store {
             hbone_addr,
             service,
             via: Via::Direct,
+            double: None,
         }
+    }
+
+    /// To `hop` (an endpoint or waypoint of `svc` on another network) through its network
+    /// gateway: the gateway is the next hop; both CONNECTs name the service's hostname and the
+    /// port dialled; the inner TLS must reach `hop`'s identity or its service's SANs.
+    fn through_gateway(
+        &self,
+        ix: &Index,
+        hop: Hop,
+        svc: &Arc<Service>,
+        dst: SocketAddr,
+        src_network: &str,
+    ) -> Result<Upstream, LookupError> {
+        let what = format!("service {} endpoint {}", svc.key(), hop.workload.uid);
+        let Some(gw) = &hop.workload.network_gateway else {
+            return Err(LookupError::NoNetworkGateway {
+                dst: what,
+                network: hop.workload.network.clone(),
+                src_network: src_network.into(),
+            });
+        };
+        let g = self.waypoint_hop(ix, gw, dst, &what).map_err(|e| match e {
+            LookupError::UnknownWaypoint { dst, .. }
+            | LookupError::NoWaypointEndpoint { dst, .. } => {
+                LookupError::UnknownGateway { dst, gateway: gw.to_string() }
+            }
+            e => e,
+        })?;
+        let mut identities = vec![self.identity_of(&hop.workload)];
+        identities.extend(parse_sans(&hop.sans));
+        let mut up = self.upstream(g, dst, Some(svc.clone()), Via::Gateway);
+        up.double =
+            Some(Double { authority: format!("{}:{}", svc.hostname(), dst.port()), identities });
+        Ok(up)
     }
 
     /// Through a waypoint: always HBONE, to the waypoint's HBONE port, CONNECT target = the
@@ -222,6 +283,7 @@ impl Store {
             hbone_addr,
             service,
             via,
+            double: None,
         }
     }
 
@@ -367,6 +429,12 @@ workloads:
 - {uid: s7, name: lost-wl, service_account: s7, ips: [10.0.2.7], node: b,
    waypoint: {address: 10.9.9.9, hbone_port: 15008}}
 - {uid: r1, name: remote, service_account: r1, ips: [10.1.0.1], node: far, network: net2}
+- {uid: r2, name: remote2, service_account: r2, ips: [], node: far, network: net2,
+   network_gateway: {address: 10.1.0.100, hbone_port: 15008}}
+- {uid: r3, name: remote3, service_account: r3, ips: [], node: far, network: net2,
+   network_gateway: {hostname: istio-system/ew.istio-system.svc.cluster.local, hbone_port: 15009}}
+- {uid: ew, name: eastwest, namespace: istio-system, service_account: ew, ips: [10.2.0.9], node: g,
+   network: net2}
 services:
 - {name: waypoint, vips: [10.96.0.9], ports: [{port: 15008}], workloads: [wp],
    subject_alt_names: ["spiffe://cluster.local/ns/default/sa/waypoint-alt"]}
@@ -386,6 +454,10 @@ services:
 - {name: tunnelled, vips: [10.96.0.13], ports: [{port: 80}],
    waypoint: {hostname: default/wp-tunnel.default.svc.cluster.local, hbone_port: 15008}}
 - {name: remote, vips: [10.96.0.10], ports: [{port: 80}], workloads: [r1]}
+- {name: remote-gw, vips: [10.96.0.16], ports: [{port: 80}], workloads: [r2]}
+- {name: remote-ew, vips: [10.96.0.17], ports: [{port: 80}], workloads: [r3],
+   subject_alt_names: ["spiffe://cluster.local/ns/default/sa/remote-alt"]}
+- {name: ew, namespace: istio-system, vips: [10.96.0.18], ports: [{port: 15009}], workloads: [ew]}
 "#;
 
     #[derive(serde::Deserialize)]
@@ -464,7 +536,8 @@ services:
             ("waypoint service without endpoints", "c", "10.0.1.2", "10.96.0.5:80", Refused("waypoint_no_endpoint")),
             ("waypoint service without its HBONE port", "c", "10.0.1.2", "10.96.0.7:80", Refused("waypoint_no_endpoint")),
             ("service held fail-closed", "c", "10.0.1.2", "10.96.0.15:80", Refused("destination_fail_closed")),
-            ("endpoint on another network", "c", "10.0.1.2", "10.96.0.10:80", Refused("other_network")),
+            ("endpoint on another network without a gateway", "c", "10.0.1.2", "10.96.0.10:80", Refused("no_network_gateway")),
+            ("endpoint on another network, gateway unknown", "c", "10.0.1.2", "10.96.0.16:80", Refused("network_gateway_unknown")),
             ("another network's pod IP is not ours", "c", "10.0.1.2", "10.1.0.1:80", Passthrough),
             ("not in the mesh", "c", "10.0.1.2", "1.1.1.1:443", Passthrough),
         ];
@@ -491,6 +564,27 @@ services:
                 (_, got) => panic!("{name}: got {got:?}"),
             }
         }
+    }
+
+    #[test]
+    fn another_network_through_its_gateway_with_double_hbone() {
+        let s = store();
+        let c = s.workload_by_uid("c").unwrap();
+        let u = s.resolve("10.96.0.17:80".parse().unwrap(), Some(&c), c.ips[0]).unwrap().unwrap();
+        assert_eq!(u.via, Via::Gateway);
+        assert_eq!(u.hbone_addr.to_string(), "10.2.0.9:15009", "the gateway's HBONE port");
+        assert_eq!(u.identity.to_string(), "spiffe://cluster.local/ns/istio-system/sa/ew");
+        assert_eq!(u.service.as_ref().unwrap().hostname(), "remote-ew.default.svc.cluster.local");
+        let d = u.double.unwrap();
+        assert_eq!(d.authority, "remote-ew.default.svc.cluster.local:80");
+        let ids: Vec<String> = d.identities.iter().map(|i| i.to_string()).collect();
+        assert_eq!(
+            ids,
+            [
+                "spiffe://cluster.local/ns/default/sa/r3",
+                "spiffe://cluster.local/ns/default/sa/remote-alt"
+            ]
+        );
     }
 
     #[test]

@@ -135,8 +135,9 @@ impl Workload {
         if self.uid.is_empty() {
             return Err(format!("workload '{}' has no uid", self.name));
         }
-        if self.ips.is_empty() {
-            return Err(format!("workload '{}' has no ips", self.uid));
+        // A workload of another network may have no address: its network gateway reaches it.
+        if self.ips.is_empty() && self.network_gateway.is_none() {
+            return Err(format!("workload '{}' has no ips (and no network gateway)", self.uid));
         }
         let id = format!("{}", self.identity(default_td));
         id.parse::<Identity>().map_err(|e| format!("workload '{}': {e}", self.uid))?;

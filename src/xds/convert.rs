@@ -127,8 +127,10 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
         Err(_) => return Err(format!("unknown workload_type {}", w.workload_type)),
     };
     let ips = w.addresses.iter().map(|a| ip_of(a)).collect::<Result<Vec<_>, _>>()?;
-    if ips.is_empty() {
-        // Workloads reached by hostname only (e.g. ServiceEntry DNS) are not proxied here.
+    let network_gateway = gateway(w.network_gateway, "network gateway")?;
+    if ips.is_empty() && network_gateway.is_none() {
+        // Workloads reached by hostname only (e.g. ServiceEntry DNS) are not proxied here; one
+        // of another network without an address is reached through its network gateway.
         return Err("workload has no addresses".into());
     }
     let mut services = BTreeMap::new();
@@ -171,7 +173,7 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
         services,
         network: w.network,
         waypoint: gateway(w.waypoint, "waypoint")?,
-        network_gateway: gateway(w.network_gateway, "network gateway")?,
+        network_gateway,
         application_tunnel: app_tunnel(w.application_tunnel)?,
         fail_closed: None,
     })
