@@ -365,3 +365,47 @@ async fn tickets_go_only_to_clients_that_say_they_keep_them() {
     assert_eq!(mbtunnel::tls::resume::client_alpn(false), b"\x02h2");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A waypoint may present its own identity or one of its service's SANs: the client accepts any
+/// identity of the list it was given — on a full handshake and on a resumed one — and no other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_accepts_any_of_the_identities_it_lists_and_no_other() {
+    let dir = temp_dir("anyof");
+    let server = Side::new(&dir, Duration::from_secs(7200), true);
+    let client = Side::new(&dir, Duration::from_secs(7200), true);
+    let addr = serve(&server).await;
+    let me: Identity = CLIENT.parse().unwrap();
+    let id = |s: &str| -> Identity { s.parse().unwrap() };
+    let alt = id("spiffe://cluster.local/ns/default/sa/waypoint");
+    let other = id("spiffe://cluster.local/ns/default/sa/other");
+    for (expected, ok) in [
+        (vec![alt.clone(), id(SERVER)], true),
+        (vec![alt.clone(), id(SERVER)], true), // resumed
+        (vec![alt.clone(), other.clone()], false),
+    ] {
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        match client.tls.connect_to_any(tcp, &me, &expected, Some(addr)).await {
+            Ok(mut s) => {
+                assert!(ok, "{expected:?} accepted a server that is none of them");
+                let mut b = [0u8; 1];
+                s.read_exact(&mut b).await.unwrap();
+                let _ = s.shutdown().await;
+            }
+            Err(e) => {
+                assert!(!ok, "{expected:?}: {e}");
+                assert_eq!(e.reason(), "tls_wrong_identity", "{e}");
+                assert!(e.to_string().contains("waypoint or"), "names every identity: {e}");
+            }
+        }
+    }
+    assert_eq!(client.handshakes("client", "resumed"), 1.0, "{}", client.metrics());
+    assert!(
+        client
+            .tls
+            .connect_to_any(tokio::net::TcpStream::connect(addr).await.unwrap(), &me, &[], None)
+            .await
+            .is_err(),
+        "an empty list accepts nobody"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}
