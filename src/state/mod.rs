@@ -22,8 +22,8 @@ use tokio::sync::watch;
 pub use gateway::{AppTunnel, GatewayAddress, GatewayTarget, TunnelHeader};
 pub use policy::Authorization;
 pub use route::{LookupError, Upstream, Via};
-pub use service::{Service, ServicePort};
-pub use workload::{PortMapping, Protocol, Workload};
+pub use service::{HealthPolicy, IpFamilies, LbMode, LbScope, LoadBalancing, Service, ServicePort};
+pub use workload::{Locality, PortMapping, Protocol, Workload};
 
 use crate::identity::Identity;
 

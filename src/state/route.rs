@@ -18,7 +18,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use super::{GatewayAddress, GatewayTarget, Index, Protocol, Service, Store, Workload};
+use super::{
+    GatewayAddress, GatewayTarget, HealthPolicy, Index, IpFamilies, LbMode, LbScope, LoadBalancing,
+    Protocol, Service, Store, Workload,
+};
 use crate::identity::Identity;
 
 /// How an upstream was reached from the original destination.
@@ -111,9 +114,48 @@ struct Hop {
     sans: Vec<String>,
 }
 
-/// An address of `w` in the family of `like`, else its first.
-fn ip_like(w: &Workload, like: IpAddr) -> IpAddr {
-    *w.ips.iter().find(|ip| ip.is_ipv4() == like.is_ipv4()).unwrap_or(&w.ips[0])
+/// An address of `w` that `families` accepts, in the family of `like` if it has one.
+fn ip_like(w: &Workload, like: IpAddr, families: IpFamilies) -> Option<IpAddr> {
+    let mut ok = w.ips.iter().filter(|ip| families.accepts(**ip));
+    let first = ok.clone().next().copied();
+    ok.find(|ip| ip.is_ipv4() == like.is_ipv4()).copied().or(first)
+}
+
+/// How many of `lb`'s routing preferences `w` shares with the source, leading ones first (a
+/// mismatch ends the count), as ztunnel ranks endpoints; `None` when STRICT and not all match.
+/// With NETWORK first, a same-network endpoint outranks every other-network one.
+fn rank(lb: &LoadBalancing, src: Option<&Workload>, w: &Workload) -> Option<usize> {
+    let s = |f: fn(&Workload) -> &str| src.map(f).unwrap_or_default();
+    let network_first = lb.routing_preference.first() == Some(&LbScope::Network);
+    let (mut rank, mut adjust) = (0, 0);
+    for scope in &lb.routing_preference {
+        let matches = match scope {
+            LbScope::Region => s(|w| &w.locality.region) == w.locality.region,
+            LbScope::Zone => s(|w| &w.locality.zone) == w.locality.zone,
+            LbScope::Subzone => s(|w| &w.locality.subzone) == w.locality.subzone,
+            LbScope::Node => s(|w| &w.node) == w.node,
+            LbScope::Cluster => s(|w| &w.cluster_id) == w.cluster_id,
+            LbScope::Network => {
+                let m = s(|w| &w.network) == w.network;
+                if network_first {
+                    if !m {
+                        // The other scopes still rank it among other-network endpoints.
+                        continue;
+                    }
+                    adjust = lb.routing_preference.len() - 1;
+                }
+                m
+            }
+        };
+        if !matches {
+            break;
+        }
+        rank += 1;
+    }
+    if lb.mode == LbMode::Strict && rank != lb.routing_preference.len() {
+        return None;
+    }
+    Some(rank + adjust)
 }
 
 impl Store {
@@ -136,37 +178,42 @@ impl Store {
                 });
             }
             if let Some(wp) = &svc.waypoint {
-                let hop = self.waypoint_hop(&ix, wp, dst, &key)?;
+                let hop = self.waypoint_hop(&ix, wp, src, dst, &key)?;
                 if hop.workload.network != src_network {
-                    return self.through_gateway(&ix, hop, svc, dst, src_network).map(Some);
+                    return self.through_gateway(&ix, hop, svc, src, dst).map(Some);
                 }
                 return Ok(Some(self.upstream(hop, dst, Some(svc.clone()), Via::ServiceWaypoint)));
+            }
+            // No endpoint choice: to the address dialled, as it is.
+            if svc.load_balancing.as_ref().is_some_and(|l| l.mode == LbMode::Passthrough) {
+                return Ok(None);
             }
             let port = svc.ports.iter().find(|p| p.port == dst.port()).ok_or_else(|| {
                 LookupError::NoServicePort { service: key.clone(), port: dst.port() }
             })?;
-            let eps: Vec<&Arc<Workload>> = ix
+            let eps: Vec<(&Arc<Workload>, ())> = ix
                 .endpoints
                 .get(&key)
                 .map(Vec::as_slice)
                 .unwrap_or_default()
                 .iter()
                 .filter_map(|uid| ix.workloads.get(uid))
-                // Another network's endpoints may have no address: its gateway reaches them.
+                // An address of the service's families; another network's endpoints may have
+                // none: its gateway reaches them.
                 .filter(|w| {
                     w.fail_closed.is_none()
-                        && (!w.ips.is_empty()
+                        && (w.ips.iter().any(|ip| svc.ip_families.accepts(*ip))
                             || (w.network != src_network && w.network_gateway.is_some()))
                 })
+                .map(|w| (w, ()))
                 .collect();
-            if eps.is_empty() {
+            let Some((w, ())) = self.choose(svc, src, eps) else {
                 return Err(LookupError::NoEndpoints(key));
-            }
-            let w = eps[self.rr.fetch_add(1, Ordering::Relaxed) % eps.len()];
+            };
             if w.network != src_network {
                 let hop =
                     Hop { workload: w.clone(), addr: dst, sans: svc.subject_alt_names.clone() };
-                return self.through_gateway(&ix, hop, svc, dst, src_network).map(Some);
+                return self.through_gateway(&ix, hop, svc, src, dst).map(Some);
             }
             let mapped = w
                 .services
@@ -175,7 +222,9 @@ impl Store {
                 .map(|m| m.target_port)
                 .filter(|p| *p != 0);
             let target_port = mapped.or(port.target_port).unwrap_or(port.port);
-            let target = SocketAddr::new(ip_like(w, dst.ip()), target_port);
+            let ip = ip_like(w, dst.ip(), svc.ip_families)
+                .ok_or_else(|| LookupError::NoEndpoints(key.clone()))?;
+            let target = SocketAddr::new(ip, target_port);
             let hop =
                 Hop { workload: w.clone(), addr: target, sans: svc.subject_alt_names.clone() };
             return Ok(Some(self.direct(hop, Some(svc.clone()))));
@@ -192,12 +241,36 @@ impl Store {
         }
         if let Some(wp) = &w.waypoint {
             if !self.is_from_waypoint(&ix, wp, src, src_ip) {
-                let hop = self.waypoint_hop(&ix, wp, dst, &w.uid)?;
+                let hop = self.waypoint_hop(&ix, wp, src, dst, &w.uid)?;
                 return Ok(Some(self.upstream(hop, dst, None, Via::WorkloadWaypoint)));
             }
         }
         let hop = Hop { workload: w.clone(), addr: dst, sans: Vec::new() };
         Ok(Some(self.direct(hop, None)))
+    }
+
+    /// One of `svc`'s candidate endpoints for `src`: those its health policy allows, ranked by
+    /// its routing preferences when its mode is STRICT or FAILOVER (the best rank only), then
+    /// taken in turn.
+    fn choose<'a, T: Copy>(
+        &self,
+        svc: &Service,
+        src: Option<&Workload>,
+        cands: Vec<(&'a Arc<Workload>, T)>,
+    ) -> Option<(&'a Arc<Workload>, T)> {
+        let lb = svc.load_balancing.as_ref();
+        let allow_all = lb.is_some_and(|l| l.health_policy == HealthPolicy::AllowAll);
+        let mut cands: Vec<_> = cands.into_iter().filter(|(w, _)| w.healthy || allow_all).collect();
+        if let Some(lb) = lb.filter(|l| matches!(l.mode, LbMode::Strict | LbMode::Failover)) {
+            let ranked: Vec<_> =
+                cands.into_iter().filter_map(|c| rank(lb, src, c.0).map(|r| (r, c))).collect();
+            let best = ranked.iter().map(|(r, _)| *r).max()?;
+            cands = ranked.into_iter().filter(|(r, _)| *r == best).map(|(_, c)| c).collect();
+        }
+        if cands.is_empty() {
+            return None;
+        }
+        Some(cands[self.rr.fetch_add(1, Ordering::Relaxed) % cands.len()])
     }
 
     /// Straight to the destination: HBONE to its node's inbound (CONNECT target = the workload
@@ -230,9 +303,10 @@ impl Store {
         ix: &Index,
         hop: Hop,
         svc: &Arc<Service>,
+        src: Option<&Workload>,
         dst: SocketAddr,
-        src_network: &str,
     ) -> Result<Upstream, LookupError> {
+        let src_network = src.map(|w| w.network.as_str()).unwrap_or_default();
         let what = format!("service {} endpoint {}", svc.key(), hop.workload.uid);
         let Some(gw) = &hop.workload.network_gateway else {
             return Err(LookupError::NoNetworkGateway {
@@ -241,7 +315,7 @@ impl Store {
                 src_network: src_network.into(),
             });
         };
-        let g = self.waypoint_hop(ix, gw, dst, &what).map_err(|e| match e {
+        let g = self.waypoint_hop(ix, gw, src, dst, &what).map_err(|e| match e {
             LookupError::UnknownWaypoint { dst, .. }
             | LookupError::NoWaypointEndpoint { dst, .. } => {
                 LookupError::UnknownGateway { dst, gateway: gw.to_string() }
@@ -295,6 +369,7 @@ impl Store {
         &self,
         ix: &Index,
         wp: &GatewayAddress,
+        src: Option<&Workload>,
         dst: SocketAddr,
         what: &str,
     ) -> Result<Hop, LookupError> {
@@ -314,7 +389,9 @@ impl Store {
                 .unwrap_or_default()
                 .iter()
                 .filter_map(|uid| ix.workloads.get(uid))
-                .filter(|w| w.fail_closed.is_none() && !w.ips.is_empty())
+                .filter(|w| {
+                    w.fail_closed.is_none() && ip_like(w, dst.ip(), svc.ip_families).is_some()
+                })
                 .filter_map(|w| {
                     let mapped = w
                         .services
@@ -330,16 +407,16 @@ impl Store {
                     }
                 })
                 .collect();
-            if eps.is_empty() {
+            let Some((w, port)) = self.choose(svc, src, eps) else {
                 return Err(LookupError::NoWaypointEndpoint {
                     dst: what.into(),
                     waypoint: wp.to_string(),
                 });
-            }
-            let (w, port) = eps[self.rr.fetch_add(1, Ordering::Relaxed) % eps.len()];
+            };
+            let ip = ip_like(w, dst.ip(), svc.ip_families).expect("filtered above");
             Ok(Hop {
                 workload: w.clone(),
-                addr: SocketAddr::new(ip_like(w, dst.ip()), port),
+                addr: SocketAddr::new(ip, port),
                 sans: svc.subject_alt_names.clone(),
             })
         };
@@ -594,5 +671,135 @@ services:
         let u = s.resolve("10.96.0.2:80".parse().unwrap(), Some(&c), c.ips[0]).unwrap().unwrap();
         let sans: Vec<String> = u.sans.iter().map(|i| i.to_string()).collect();
         assert_eq!(sans, ["spiffe://cluster.local/ns/default/sa/waypoint-alt"]);
+    }
+}
+
+#[cfg(test)]
+mod choice_tests {
+    use super::super::{local_resources, Delta, StoreConfig};
+    use super::*;
+    use std::collections::BTreeSet;
+
+    const MESH: &str = r#"
+workloads:
+- {uid: src, name: src, ips: [10.0.0.1], node: a, cluster_id: c1,
+   locality: {region: r1, zone: z1, subzone: s1}}
+- {uid: zone, name: zone, ips: [10.0.1.1], node: b, cluster_id: c1,
+   locality: {region: r1, zone: z1, subzone: s2}}
+- {uid: region, name: region, ips: [10.0.1.2], node: b, cluster_id: c1,
+   locality: {region: r1, zone: z2}}
+- {uid: far, name: far, ips: [10.0.1.3], node: c, cluster_id: c2,
+   locality: {region: r2, zone: z9}}
+- {uid: node, name: node, ips: [10.0.1.4], node: a, cluster_id: c1,
+   locality: {region: r1, zone: z1, subzone: s1}}
+- {uid: sick, name: sick, ips: [10.0.1.5], node: a, healthy: false,
+   locality: {region: r1, zone: z1, subzone: s1}}
+- {uid: dual, name: dual, ips: [10.0.1.6, "fd00::6"], node: b}
+- {uid: v6, name: v6, ips: ["fd00::7"], node: b}
+- {uid: remote, name: remote, ips: [10.9.0.1], node: r, network: net2,
+   locality: {region: r1}, network_gateway: {address: 10.9.0.100, hbone_port: 15008}}
+- {uid: ew, name: ew, ips: [10.9.0.100], node: g}
+services:
+- {name: failover, vips: [10.96.1.1], ports: [{port: 80}], workloads: [zone, region, far],
+   load_balancing: {routing_preference: [REGION, ZONE, SUBZONE], mode: FAILOVER}}
+- {name: failover-far, vips: [10.96.1.2], ports: [{port: 80}], workloads: [far],
+   load_balancing: {routing_preference: [REGION, ZONE], mode: FAILOVER}}
+- {name: strict-zone, vips: [10.96.1.3], ports: [{port: 80}], workloads: [region, far],
+   load_balancing: {routing_preference: [REGION, ZONE], mode: STRICT}}
+- {name: strict-region, vips: [10.96.1.4], ports: [{port: 80}], workloads: [region, far],
+   load_balancing: {routing_preference: [REGION], mode: STRICT}}
+- {name: node-first, vips: [10.96.1.5], ports: [{port: 80}], workloads: [node, zone],
+   load_balancing: {routing_preference: [NODE], mode: FAILOVER}}
+- {name: healthy-only, vips: [10.96.1.6], ports: [{port: 80}], workloads: [sick, far]}
+- {name: allow-all, vips: [10.96.1.7], ports: [{port: 80}], workloads: [sick, far],
+   load_balancing: {routing_preference: [NODE], mode: FAILOVER, health_policy: ALLOW_ALL}}
+- {name: v6-only, vips: [10.96.1.8], ports: [{port: 80}], workloads: [zone, dual], ip_families: IPV6_ONLY}
+- {name: v4-only, vips: [10.96.1.9], ports: [{port: 80}], workloads: [v6], ip_families: IPV4_ONLY}
+- {name: passthrough, vips: [10.96.1.10], ports: [{port: 80}], workloads: [zone],
+   load_balancing: {mode: PASSTHROUGH}}
+- {name: network-first, vips: [10.96.1.11], ports: [{port: 80}], workloads: [remote, far],
+   load_balancing: {routing_preference: [NETWORK, REGION], mode: FAILOVER}}
+- {name: cluster, vips: [10.96.1.12], ports: [{port: 80}], workloads: [far, region],
+   load_balancing: {routing_preference: [CLUSTER], mode: FAILOVER}}
+- {name: standard, vips: [10.96.1.13], ports: [{port: 80}], workloads: [zone, far],
+   load_balancing: {routing_preference: [REGION, ZONE]}}
+- {name: ew, vips: [10.96.1.14], ports: [{port: 15008}], workloads: [ew]}
+"#;
+
+    #[derive(serde::Deserialize)]
+    struct Mesh {
+        workloads: Vec<Workload>,
+        services: Vec<Service>,
+    }
+
+    fn store() -> Store {
+        let s = Store::new(StoreConfig {
+            trust_domain: "cluster.local".into(),
+            node_name: "a".into(),
+            hbone_port: 15008,
+            node_hbone: Default::default(),
+            inpod: false,
+            sync_timeout: None,
+        });
+        let m: Mesh = serde_yaml::from_str(MESH).unwrap();
+        s.apply(Delta {
+            upserts: local_resources(&m.workloads, &m.services, &[]),
+            removes: vec![],
+        });
+        s
+    }
+
+    #[test]
+    fn endpoint_choice_table() {
+        let s = store();
+        let src = s.workload_by_uid("src").unwrap();
+        // The endpoints ever chosen, or the refusal's reason.
+        type Chosen<'a> = Result<&'a [&'a str], &'a str>;
+        #[rustfmt::skip]
+        let cases: &[(&str, &str, Chosen)] = &[
+            // (name, VIP, the endpoints ever chosen — or the refusal)
+            ("FAILOVER: the most leading scopes matched", "10.96.1.1", Ok(&["zone"])),
+            ("FAILOVER: nothing close, the rest", "10.96.1.2", Ok(&["far"])),
+            ("STRICT: every scope or nothing", "10.96.1.3", Err("no_endpoints")),
+            ("STRICT: every scope matched", "10.96.1.4", Ok(&["region"])),
+            ("NODE first", "10.96.1.5", Ok(&["node"])),
+            ("unhealthy left out by default", "10.96.1.6", Ok(&["far"])),
+            ("ALLOW_ALL: unhealthy chosen too", "10.96.1.7", Ok(&["sick"])),
+            ("IPV6_ONLY: only endpoints with an IPv6 address", "10.96.1.8", Ok(&["dual"])),
+            ("IPV4_ONLY: none has one", "10.96.1.9", Err("no_endpoints")),
+            ("NETWORK first: same network outranks", "10.96.1.11", Ok(&["far"])),
+            ("CLUSTER", "10.96.1.12", Ok(&["region"])),
+            ("no mode: preferences ignored, every endpoint in turn", "10.96.1.13", Ok(&["far", "zone"])),
+        ];
+        for (name, vip, want) in cases {
+            let dst = SocketAddr::new(vip.parse().unwrap(), 80);
+            let mut got = BTreeSet::new();
+            let mut err = None;
+            for _ in 0..8 {
+                match s.resolve(dst, Some(&src), src.ips[0]) {
+                    Ok(Some(u)) => {
+                        got.insert(u.workload.uid.clone());
+                    }
+                    Ok(None) => panic!("{name}: passthrough"),
+                    Err(e) => err = Some(e.reason()),
+                }
+            }
+            match want {
+                Ok(uids) => {
+                    assert_eq!(err, None, "{name}");
+                    assert_eq!(got, uids.iter().map(|u| u.to_string()).collect(), "{name}");
+                }
+                Err(reason) => assert_eq!(err, Some(*reason), "{name}: chose {got:?}"),
+            }
+        }
+        // The family restriction also picks the address.
+        let u =
+            s.resolve("10.96.1.8:80".parse().unwrap(), Some(&src), src.ips[0]).unwrap().unwrap();
+        assert_eq!(u.target, "[fd00::6]:80".parse().unwrap());
+        // PASSTHROUGH: no endpoint choice, the address as dialled.
+        assert!(s
+            .resolve("10.96.1.10:80".parse().unwrap(), Some(&src), src.ips[0])
+            .unwrap()
+            .is_none());
     }
 }

@@ -68,6 +68,13 @@ pub struct Workload {
     /// in the local file the services list their workloads instead).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub services: BTreeMap<String, Vec<PortMapping>>,
+    /// Where it runs, for locality-aware endpoint choice.
+    #[serde(default, skip_serializing_if = "Locality::is_empty")]
+    pub locality: Locality,
+    /// Whether it is ready. An unhealthy workload stays known (identity, policies) and is chosen
+    /// as an endpoint only by a service whose health policy is ALLOW_ALL.
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub healthy: bool,
     /// The network it is on (empty: the default network). A destination on another network than
     /// the source is reached through its `network_gateway`.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -93,6 +100,32 @@ pub struct Workload {
 pub(crate) fn default_namespace() -> String {
     "default".into()
 }
+/// Region, zone and subzone (`Locality`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Locality {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub region: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub zone: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub subzone: String,
+}
+
+impl Locality {
+    pub fn is_empty(&self) -> bool {
+        self.region.is_empty() && self.zone.is_empty() && self.subzone.is_empty()
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(b: &bool) -> bool {
+    *b
+}
+
 fn default_kind() -> String {
     "deployment".into()
 }

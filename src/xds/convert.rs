@@ -13,8 +13,9 @@ use crate::state::policy::{
     Action, Authorization, Cidr, Clause, Match, Rule, Scope, ServiceAccountMatch, StringMatch,
 };
 use crate::state::{
-    AppTunnel, GatewayAddress, GatewayTarget, PortMapping, Protocol, Resource, Service,
-    ServicePort, TunnelHeader, Workload,
+    AppTunnel, GatewayAddress, GatewayTarget, HealthPolicy, IpFamilies, LbMode, LbScope,
+    LoadBalancing, Locality, PortMapping, Protocol, Resource, Service, ServicePort, TunnelHeader,
+    Workload,
 };
 
 pub const ADDRESS_TYPE: &str = "type.googleapis.com/istio.workload.Address";
@@ -59,6 +60,38 @@ fn gateway(g: Option<pb::GatewayAddress>, what: &str) -> Result<Option<GatewayAd
         return Err(format!("{what} has no HBONE port (hbone_mtls_port 0)"));
     }
     Ok(Some(GatewayAddress { target, hbone_port }))
+}
+
+/// A service's load-balancing settings; an unknown scope, mode or policy is refused rather than
+/// guessed (a STRICT read as anything else could send traffic out of its zone).
+fn load_balancing(lb: &pb::LoadBalancing) -> Result<LoadBalancing, String> {
+    use pb::load_balancing as l;
+    let routing_preference = lb
+        .routing_preference
+        .iter()
+        .map(|s| match l::Scope::try_from(*s) {
+            Ok(l::Scope::Region) => Ok(LbScope::Region),
+            Ok(l::Scope::Zone) => Ok(LbScope::Zone),
+            Ok(l::Scope::Subzone) => Ok(LbScope::Subzone),
+            Ok(l::Scope::Node) => Ok(LbScope::Node),
+            Ok(l::Scope::Cluster) => Ok(LbScope::Cluster),
+            Ok(l::Scope::Network) => Ok(LbScope::Network),
+            _ => Err(format!("unknown load_balancing scope {s}")),
+        })
+        .collect::<Result<_, _>>()?;
+    let mode = match l::Mode::try_from(lb.mode) {
+        Ok(l::Mode::UnspecifiedMode) => LbMode::Standard,
+        Ok(l::Mode::Strict) => LbMode::Strict,
+        Ok(l::Mode::Failover) => LbMode::Failover,
+        Ok(l::Mode::Passthrough) => LbMode::Passthrough,
+        Err(_) => return Err(format!("unknown load_balancing mode {}", lb.mode)),
+    };
+    let health_policy = match l::HealthPolicy::try_from(lb.health_policy) {
+        Ok(l::HealthPolicy::OnlyHealthy) => HealthPolicy::OnlyHealthy,
+        Ok(l::HealthPolicy::AllowAll) => HealthPolicy::AllowAll,
+        Err(_) => return Err(format!("unknown load_balancing health_policy {}", lb.health_policy)),
+    };
+    Ok(LoadBalancing { routing_preference, mode, health_policy })
 }
 
 fn app_tunnel(t: Option<pb::ApplicationTunnel>) -> Result<Option<AppTunnel>, String> {
@@ -134,9 +167,9 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
         return Err("workload has no addresses".into());
     }
     let mut services = BTreeMap::new();
-    // An unhealthy workload stays known (its identity, its policies) but receives no traffic
-    // through its services.
-    if status == pb::WorkloadStatus::Healthy {
+    // An unhealthy workload stays an endpoint of its services, chosen only by those whose health
+    // policy is ALLOW_ALL (see `state::route`).
+    {
         for (svc, list) in w.services {
             let ports = list
                 .ports
@@ -171,6 +204,11 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
         workload_type: workload_type.into(),
         authorization_policies: w.authorization_policies,
         services,
+        locality: w
+            .locality
+            .map(|l| Locality { region: l.region, zone: l.zone, subzone: l.subzone })
+            .unwrap_or_default(),
+        healthy: status == pb::WorkloadStatus::Healthy,
         network: w.network,
         waypoint: gateway(w.waypoint, "waypoint")?,
         network_gateway,
@@ -183,8 +221,14 @@ pub fn service(s: pb::Service) -> Result<Service, String> {
     if s.hostname.is_empty() || s.namespace.is_empty() {
         return Err(format!("service '{}' has no hostname or namespace", s.name));
     }
-    pb::IpFamilies::try_from(s.ip_families)
-        .map_err(|_| format!("unknown ip_families {}", s.ip_families))?;
+    let ip_families = match pb::IpFamilies::try_from(s.ip_families) {
+        Ok(pb::IpFamilies::Automatic) => IpFamilies::Automatic,
+        Ok(pb::IpFamilies::Ipv4Only) => IpFamilies::Ipv4Only,
+        Ok(pb::IpFamilies::Ipv6Only) => IpFamilies::Ipv6Only,
+        Ok(pb::IpFamilies::Dual) => IpFamilies::Dual,
+        Err(_) => return Err(format!("unknown ip_families {}", s.ip_families)),
+    };
+    let load_balancing = s.load_balancing.as_ref().map(load_balancing).transpose()?;
     let vips = s.addresses.iter().map(|a| ip_of(&a.address)).collect::<Result<Vec<_>, _>>()?;
     let ports = s
         .ports
@@ -205,6 +249,8 @@ pub fn service(s: pb::Service) -> Result<Service, String> {
         ports,
         workloads: Vec::new(),
         waypoint: gateway(s.waypoint, "waypoint")?,
+        load_balancing,
+        ip_families,
         subject_alt_names: s.subject_alt_names,
         fail_closed: None,
     })
@@ -630,6 +676,65 @@ mod gateway_tests {
             "ns/wp.ns.svc.cluster.local (HBONE port 15008)"
         );
         assert_eq!(s.subject_alt_names, ["spiffe://td/ns/ns/sa/alt"]);
+    }
+
+    #[test]
+    fn load_balancing_families_locality_and_health_decode() {
+        use pb::load_balancing as l;
+        let s = pb::Service {
+            load_balancing: Some(pb::LoadBalancing {
+                routing_preference: vec![l::Scope::Network as i32, l::Scope::Zone as i32],
+                mode: l::Mode::Failover as i32,
+                health_policy: l::HealthPolicy::AllowAll as i32,
+            }),
+            ip_families: pb::IpFamilies::Ipv6Only as i32,
+            ..svc()
+        };
+        let Resource::Service(s) = address(&encoded(pb::address::Type::Service(s))).unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            s.load_balancing,
+            Some(LoadBalancing {
+                routing_preference: vec![LbScope::Network, LbScope::Zone],
+                mode: LbMode::Failover,
+                health_policy: HealthPolicy::AllowAll,
+            })
+        );
+        assert_eq!(s.ip_families, IpFamilies::Ipv6Only);
+        for (bad, what) in [
+            (pb::LoadBalancing { routing_preference: vec![0], ..Default::default() }, "scope 0"),
+            (pb::LoadBalancing { mode: 9, ..Default::default() }, "mode 9"),
+            (pb::LoadBalancing { health_policy: 9, ..Default::default() }, "health_policy 9"),
+        ] {
+            let s = pb::Service { load_balancing: Some(bad), ..svc() };
+            let e = address(&encoded(pb::address::Type::Service(s))).unwrap_err();
+            assert!(e.contains(what), "{e}");
+        }
+        let w = pb::Workload {
+            locality: Some(pb::Locality {
+                region: "r".into(),
+                zone: "z".into(),
+                subzone: "s".into(),
+            }),
+            status: pb::WorkloadStatus::Unhealthy as i32,
+            services: [("ns/s.ns.svc.cluster.local".to_string(), pb::PortList { ports: vec![] })]
+                .into(),
+            ..wl()
+        };
+        let Resource::Workload(w) = address(&encoded(pb::address::Type::Workload(w))).unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(
+            (w.locality.region.as_str(), w.locality.zone.as_str(), w.locality.subzone.as_str()),
+            ("r", "z", "s")
+        );
+        assert!(!w.healthy);
+        assert!(
+            w.services.contains_key("ns/s.ns.svc.cluster.local"),
+            "still an endpoint (ALLOW_ALL)"
+        );
     }
 
     #[test]
