@@ -329,6 +329,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     let zds_ready = Arc::new(AtomicBool::new(!cfg.inpod_enabled));
     let inpod = inpod_metrics.map(|m| Arc::new(InPod::new(ctx.clone(), store.clone(), m)));
     if let Some(pods) = &inpod {
+        tasks.push(tokio::spawn(pods.clone().watch_pending()));
         tracing::info!(socket = %cfg.inpod_socket.display(), "in-pod mode: pods come from the CNI over ZDS; not ready until its first snapshot");
         tasks.push(tokio::spawn(crate::inpod::run_client(
             pods.clone(),

@@ -507,3 +507,67 @@ fn authorization_policy_in_pod_namespaces() {
             ) == Some(1.0)
     });
 }
+
+/// Adds `yaml` (one workload) to a node's mesh state, as an xDS push would.
+fn push_workload(node: &Node, yaml: &str) {
+    use mbtunnel::state::{Delta, Resource, Workload};
+    let w: Workload = serde_yaml::from_str(yaml).unwrap();
+    node.r().ctx.state.apply(Delta { upserts: vec![Resource::Workload(w)], removes: vec![] });
+}
+
+/// istio-cni sends the ADD before the pod has a published IP, so before istiod can have sent its
+/// workload. The ADD is accepted from the CNI's identity, the pod is counted pending, and a
+/// connection it opens then waits for the workload instead of being refused; a pending pod can
+/// be deleted like any other.
+#[test]
+fn a_pod_added_before_its_workload_is_accepted_and_its_connections_wait_for_it() {
+    require_netns!();
+    let c = cluster("pending");
+    let late = c.sim.add_pod(1, 6);
+    let gone = c.sim.add_pod(1, 7);
+    let echo = c.sim.add_pod(2, 2);
+    let peers = echo_in(&echo);
+    assert_eq!(enroll(&c.cni2, &echo, "echo-uid", Backend::Iptables), "");
+    // Neither pod is in any node's mesh state.
+    assert_eq!(
+        c.cni1.enroll(&late, "late-uid", "late", "late", Backend::Iptables),
+        "",
+        "ADD refused"
+    );
+    assert_eq!(c.cni1.enroll(&gone, "gone-uid", "gone", "gone", Backend::Iptables), "");
+    snapshot(&c.cni1);
+    snapshot(&c.cni2);
+    let pending = |n: &Node| metric(&n.metrics(), "mbtunnel_inpod_pods_pending", &[]);
+    assert_eq!(pending(&c.n1), Some(2.0), "{}", c.n1.metrics());
+    assert_eq!(c.n1.pods(), ["gone-uid", "late-uid"]);
+
+    // A connection from the pending pod waits; its workload arrives meanwhile.
+    let to = sa(echo.v4, 8080);
+    let s = connect_from(&late, to).expect("the connect is accepted by the pod's listener");
+    std::thread::sleep(Duration::from_millis(400));
+    assert!(peers.lock().unwrap().is_empty(), "went through before the workload was known");
+    for n in [&c.n1, &c.n2] {
+        push_workload(
+            n,
+            "{uid: late-uid, name: late, namespace: demo, service_account: late, \
+             ips: [10.0.1.6], node: node-1}",
+        );
+    }
+    common::cluster::round_trip(s, 4096);
+    assert_eq!(peers.lock().unwrap()[0].ip(), late.v4, "the app sees the pod's IP");
+    wait("the workload counted, the pod no longer pending", || pending(&c.n1) == Some(1.0));
+    let t = c.n2.metrics();
+    assert_eq!(
+        metric(
+            &t,
+            "istio_tcp_connections_opened_total",
+            &["source_principal=\"spiffe://cluster.local/ns/demo/sa/late\"", "mutual_tls"]
+        ),
+        Some(1.0),
+        "the pod's identity, from the CNI's ADD, over mTLS\n{t}"
+    );
+
+    // A pending pod deleted before its workload ever came.
+    assert_eq!(c.cni1.send(WorkloadRequest::del("gone-uid"), None), "");
+    wait("the deleted pod gone", || c.n1.pods() == ["late-uid"] && pending(&c.n1) == Some(0.0));
+}

@@ -31,6 +31,8 @@ pub struct ZdsLabels {
 #[derive(Clone, Default)]
 pub struct InPodMetrics {
     pub pods: Gauge,
+    /// Enrolled pods whose workload the mesh state does not hold yet.
+    pub pending: Gauge,
     pub requests: Family<ZdsLabels, Counter>,
     pub connections: Counter,
 }
@@ -40,6 +42,11 @@ impl InPodMetrics {
         let m = InPodMetrics::default();
         let r = registry.sub_registry_with_prefix("mbtunnel");
         r.register("inpod_pods", "Pods enrolled by the CNI (in-pod mode)", m.pods.clone());
+        r.register(
+            "inpod_pods_pending",
+            "Enrolled pods whose workload is not in the mesh state yet (their connections wait for it)",
+            m.pending.clone(),
+        );
         r.register(
             "zds_requests",
             "ZDS requests from the CNI, by kind and result",

@@ -10,13 +10,16 @@ use std::sync::{Arc, Mutex};
 use super::zds::WorkloadInfo;
 use super::{INBOUND_PLAINTEXT_PORT, INBOUND_PORT, OUTBOUND_PORT};
 use crate::identity::store::CertStore;
+use crate::identity::Identity;
 use crate::net::netns::{Netns, NetnsId};
 use crate::net::socket;
 use crate::proxy::{self, Ctx};
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum PodError {
-    #[error("pod {0}: no workload with this uid in the mesh state")]
+    #[error(
+        "pod {0}: no workload with this uid in the mesh state, and the CNI gave no identity for it"
+    )]
     UnknownUid(String),
     #[error("pod {uid}: the CNI says {cni} but the mesh state says {state}")]
     IdentityMismatch { uid: String, cni: String, state: String },
@@ -72,8 +75,18 @@ impl InPod {
         fd: Option<OwnedFd>,
     ) -> Result<(), PodError> {
         let state = &self.ctx.state;
-        let w = state.workload_by_uid(uid).ok_or_else(|| PodError::UnknownUid(uid.into()))?;
-        if let Some(i) = info {
+        let w = state.workload_by_uid(uid);
+        // istio-cni sends the ADD before the pod has a published IP, so before istiod can have
+        // sent its workload: such a pod is enrolled from what the CNI says (its identity) and
+        // its connections wait for the workload (see `proxy::outbound`).
+        let (id, ips) = match (&w, info) {
+            (Some(w), _) => (state.identity_of(w), w.ips.clone()),
+            (None, Some(i)) if !i.namespace.is_empty() && !i.service_account.is_empty() => {
+                (Identity::new(state.trust_domain(), &i.namespace, &i.service_account), vec![])
+            }
+            (None, _) => return Err(PodError::UnknownUid(uid.into())),
+        };
+        if let (Some(w), Some(i)) = (&w, info) {
             let cni = format!("{}/{} (sa {})", i.namespace, i.name, i.service_account);
             let st = format!("{}/{} (sa {})", w.namespace, w.name, w.service_account);
             // The identity is what matters; an empty field is "not told".
@@ -98,11 +111,13 @@ impl InPod {
             Netns::enter(fd, uid)
                 .map_err(|e| PodError::Netns { uid: uid.into(), error: e.to_string() })?,
         );
+        // Its families, or both while its addresses are not known (IPv6 is left out when the
+        // namespace has none, below).
         let mut addrs = Vec::new();
-        if w.ips.iter().any(|ip| ip.is_ipv4()) {
+        if ips.is_empty() || ips.iter().any(|ip| ip.is_ipv4()) {
             addrs.push(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
         }
-        if w.ips.iter().any(|ip| ip.is_ipv6()) {
+        if ips.is_empty() || ips.iter().any(|ip| ip.is_ipv6()) {
             addrs.push(IpAddr::V6(Ipv6Addr::UNSPECIFIED));
         }
         let mut bound = Vec::new();
@@ -133,12 +148,14 @@ impl InPod {
                 }
             }
         }
-        let id = state.identity_of(&w);
         // Enrolled first, so that the certificate manager counts the identity as wanted while
         // its certificate is requested. The store owns the request (one, shared with the
         // manager's), so during a CA backoff the ADD fails at once with the store's reason
         // instead of starting a request of its own.
-        state.set_enrolled(uid, true);
+        match &w {
+            Some(_) => state.set_enrolled(uid, true),
+            None => state.set_enrolled_pending(uid, id.clone()),
+        }
         if let Err(e) = self.store.fetch(&id).await {
             state.set_enrolled(uid, false);
             return Err(PodError::Certificate {
@@ -191,12 +208,46 @@ impl InPod {
                 ),
             });
         }
-        tracing::info!(uid, workload = %w.name, identity = %id, netns = %netns.id(), ips = ?w.ips,
-            "pod enrolled: listening on 15001/15006/15008 in its network namespace");
+        match &w {
+            Some(w) => tracing::info!(uid, workload = %w.name, identity = %id, netns = %netns.id(),
+                ips = ?w.ips, "pod enrolled: listening on 15001/15006/15008 in its network namespace"),
+            None => tracing::info!(uid, identity = %id, netns = %netns.id(),
+                "pod enrolled before its workload is in the mesh state (pending): listening on \
+                 15001/15006/15008; its connections wait for the workload"),
+        }
         let mut pods = self.pods.lock().unwrap();
-        pods.insert(uid.into(), Pod { netns, ips: w.ips.clone(), listeners });
+        pods.insert(uid.into(), Pod { netns, ips, listeners });
         self.metrics.pods.set(pods.len() as i64);
+        drop(pods);
+        self.count_pending();
         Ok(())
+    }
+
+    /// Enrolled pods whose workload the mesh state does not hold (yet).
+    pub fn pending(&self) -> Vec<String> {
+        let state = &self.ctx.state;
+        let mut v: Vec<String> =
+            self.uids().into_iter().filter(|u| state.workload_by_uid(u).is_none()).collect();
+        v.sort();
+        v
+    }
+
+    /// Keeps the pending gauge current as the mesh state changes (a pending pod's workload
+    /// arrives); ends with the state.
+    pub async fn watch_pending(self: Arc<Self>) {
+        let mut rx = self.ctx.state.subscribe();
+        while rx.changed().await.is_ok() {
+            let before = self.metrics.pending.get();
+            self.count_pending();
+            if before > 0 && self.metrics.pending.get() < before {
+                tracing::info!(pending = ?self.pending(), "a pending pod's workload arrived");
+            }
+        }
+    }
+
+    /// Updates the pending gauge (after an enrolment, a removal, or a mesh-state change).
+    pub fn count_pending(&self) {
+        self.metrics.pending.set(self.pending().len() as i64);
     }
 
     fn held_netns(&self, uid: &str) -> Option<NetnsId> {
@@ -220,10 +271,13 @@ impl InPod {
         for t in pod.listeners {
             let _ = t.await;
         }
-        for ip in &pod.ips {
+        // Its addresses as enrolled, and as the mesh state has them now (a pod enrolled pending).
+        let now = self.ctx.state.workload_by_uid(uid).map(|w| w.ips.clone()).unwrap_or_default();
+        for ip in pod.ips.iter().chain(&now) {
             self.ctx.pool.forget_source(*ip);
         }
         tracing::info!(uid, netns = %pod.netns.id(), "pod removed: listeners closed");
+        self.count_pending();
         true
     }
 

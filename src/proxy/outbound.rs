@@ -17,6 +17,9 @@ use crate::state::Protocol;
 
 static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
+/// How long a connection from a pod enrolled before its workload arrived waits for it.
+pub const PENDING_POD_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// `netns`: the pod whose listener accepted (in-pod mode); sockets toward the network are opened
 /// there so they leave with the pod's address. `pod_uid`: that pod's workload, which is then the
 /// source identity whatever source address the packets carry (a pod that adds a neighbour's IP
@@ -42,7 +45,22 @@ pub async fn handle(
         }
         let src_wl = match &pod_uid {
             Some(uid) => {
-                let w = ctx.state.workload_by_uid(uid);
+                let w = match ctx.state.workload_by_uid(uid) {
+                    Some(w) => Some(w),
+                    // Enrolled before its workload arrived: held until it does, within a bound.
+                    None => {
+                        tracing::debug!(pod = %uid, "source pod's workload not in the mesh state yet: waiting");
+                        let w = ctx.state.wait_workload(uid, PENDING_POD_WAIT).await;
+                        if w.is_none() {
+                            ctx.metrics.refuse("pod_workload_pending");
+                            tracing::warn!(pod = %uid, waited = ?PENDING_POD_WAIT,
+                                "refused: the source pod's workload is still not in the mesh state");
+                            reset_on_close(&client);
+                            return None;
+                        }
+                        w
+                    }
+                };
                 if let Some(w) = w.as_ref().filter(|w| !w.ips.contains(&peer.ip())) {
                     tracing::warn!(pod = %w.uid, source = %peer.ip(), ips = ?w.ips,
                         "source address is not the pod's own: the pod's identity is used");

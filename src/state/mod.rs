@@ -238,7 +238,9 @@ pub struct Store {
     /// local workload (a destination policies are evaluated for) changed, came or left.
     authz_epoch: watch::Sender<u64>,
     rr: AtomicUsize,
-    enrolled: RwLock<HashSet<String>>,
+    /// In-pod: enrolled pod uids, with the identity the CNI named for a pod enrolled before its
+    /// workload arrived (its certificate is wanted meanwhile).
+    enrolled: RwLock<HashMap<String, Option<Identity>>>,
     warned: std::sync::Mutex<HashSet<String>>,
     /// Families whose first complete response has been applied (`SYNCED_*` bits), and the
     /// same as one flag for the per-connection fast path.
@@ -259,7 +261,7 @@ impl Store {
             version: watch::channel(0).0,
             authz_epoch: watch::channel(0).0,
             rr: AtomicUsize::new(0),
-            enrolled: RwLock::new(HashSet::new()),
+            enrolled: RwLock::new(HashMap::new()),
             warned: Default::default(),
         }
     }
@@ -412,6 +414,22 @@ impl Store {
         self.index.read().unwrap().workloads.get(uid).cloned()
     }
 
+    /// Workload `uid`, waiting at most `bound` for it to arrive (a pod enrolled before istiod
+    /// sent its workload).
+    pub async fn wait_workload(&self, uid: &str, bound: Duration) -> Option<Arc<Workload>> {
+        let mut rx = self.subscribe();
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            if let Some(w) = self.workload_by_uid(uid) {
+                return Some(w);
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return self.workload_by_uid(uid),
+            }
+        }
+    }
+
     pub fn service_by_vip(&self, ip: IpAddr) -> Option<Arc<Service>> {
         self.index.read().unwrap().by_vip.get(&ip).cloned()
     }
@@ -463,7 +481,7 @@ impl Store {
 
     fn is_local(&self, w: &Workload) -> bool {
         if self.cfg.inpod {
-            self.enrolled.read().unwrap().contains(&w.uid)
+            self.enrolled.read().unwrap().contains_key(&w.uid)
         } else {
             w.node == self.cfg.node_name
         }
@@ -479,7 +497,22 @@ impl Store {
 
     /// Identities of the local workloads (what this node needs certificates for).
     pub fn local_identities(&self) -> HashSet<Identity> {
-        self.local_workloads().iter().map(|w| self.identity_of(w)).collect()
+        let mut ids: HashSet<Identity> =
+            self.local_workloads().iter().map(|w| self.identity_of(w)).collect();
+        // Pods enrolled before their workload arrived: the identity the CNI named.
+        let pending: Vec<(String, Identity)> = self
+            .enrolled
+            .read()
+            .unwrap()
+            .iter()
+            .filter_map(|(u, id)| id.clone().map(|id| (u.clone(), id)))
+            .collect();
+        for (uid, id) in pending {
+            if self.workload_by_uid(&uid).is_none() {
+                ids.insert(id);
+            }
+        }
+        ids
     }
 
     /// The local workload owning `ip`, if any.
@@ -489,15 +522,28 @@ impl Store {
 
     /// In-pod mode: starts (`true`) or stops serving the workload `uid`. No-op otherwise.
     pub fn set_enrolled(&self, uid: &str, enrolled: bool) {
+        self.enroll(uid, enrolled.then_some(None))
+    }
+
+    /// In-pod mode: serves pod `uid`, whose workload the state does not hold yet, as `identity`
+    /// (what the CNI's ADD named) until it arrives.
+    pub fn set_enrolled_pending(&self, uid: &str, identity: Identity) {
+        self.enroll(uid, Some(Some(identity)))
+    }
+
+    fn enroll(&self, uid: &str, enrolled: Option<Option<Identity>>) {
         if !self.cfg.inpod {
             return;
         }
         {
             let mut set = self.enrolled.write().unwrap();
-            if enrolled {
-                set.insert(uid.to_string());
-            } else {
-                set.remove(uid);
+            match enrolled {
+                Some(id) => {
+                    set.insert(uid.to_string(), id);
+                }
+                None => {
+                    set.remove(uid);
+                }
             }
         }
         self.version.send_modify(|v| *v += 1);
