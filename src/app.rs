@@ -225,6 +225,17 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         admin: admin_l.local_addr()?,
     };
     let drain = Drain::default();
+    let mut tasks_early = Vec::new();
+    let dns_cfg = cfg.dns();
+    let upstream = Arc::new(crate::dns::Upstream::new(&dns_cfg.upstreams));
+    let dns = if dns_cfg.enabled {
+        let m = crate::dns::DnsMetrics::register(&mut registry);
+        let d = crate::dns::Dns::new(&dns_cfg, state.clone(), upstream.clone(), m)
+            .map_err(|e| anyhow::anyhow!("DNS proxy: {e}"))?;
+        Some(Arc::new(d))
+    } else {
+        None
+    };
     let workers = Arc::new(
         crate::net::Workers::start(cfg.runtime_workers()).context("starting the worker threads")?,
     );
@@ -246,7 +257,19 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         limits,
         workers,
         peer_logs: Default::default(),
+        dns: dns.clone(),
+        upstream,
     });
+    if let (Some(d), false) = (&dns, cfg.inpod_enabled) {
+        // Node mode: one DNS proxy in the proxy's namespace; the client is the local workload
+        // with the query's source address. (In-pod mode opens one in each pod.)
+        tasks_early.extend(
+            crate::dns::server::listen(d, None, dns_cfg.addr, crate::dns::Clients::Node, &drain)
+                .await
+                .with_context(|| format!("DNS proxy: cannot listen on {}", dns_cfg.addr))?,
+        );
+        tracing::info!(addr = %dns_cfg.addr, "DNS proxy listening (UDP and TCP)");
+    }
     if ebpf.is_some() {
         // HBONE to a pod of this node stays in the process: dialled, it would leave the node's
         // namespace toward the pod, where no classifier sees it and nothing listens on 15008.
@@ -268,7 +291,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         admin_refused.clone(),
     );
     let registry = Arc::new(registry);
-    let mut tasks = Vec::new();
+    let mut tasks = tasks_early;
 
     let c = ctx.clone();
     tasks.push(proxy::spawn_accept_loop(

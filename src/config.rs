@@ -53,6 +53,18 @@ pub mod env {
     pub const POD_NAMESPACE: &str = "POD_NAMESPACE";
     pub const INSTANCE_IP: &str = "INSTANCE_IP";
     /// Prefixes: `XDS_HEADER_<k>=v` / `CA_HEADER_<k>=v` add metadata `k: v` to those calls.
+    /// DNS proxy on or off (`ISTIO_META_DNS_CAPTURE` is read too, as ztunnel reads proxy
+    /// metadata). Default: on in in-pod mode, off otherwise.
+    pub const DNS_CAPTURE: &str = "DNS_CAPTURE";
+    pub const META_DNS_CAPTURE: &str = "ISTIO_META_DNS_CAPTURE";
+    /// Where the DNS proxy listens (default 127.0.0.1:15053); `ISTIO_META_DNS_PROXY_ADDR` too.
+    pub const DNS_PROXY_ADDR: &str = "DNS_PROXY_ADDR";
+    pub const META_DNS_PROXY_ADDR: &str = "ISTIO_META_DNS_PROXY_ADDR";
+    /// Upstream resolvers, `ip:port,...` (default: /etc/resolv.conf's).
+    pub const DNS_UPSTREAMS: &str = "MBTUNNEL_DNS_UPSTREAMS";
+    pub const CLUSTER_DOMAIN: &str = "CLUSTER_DOMAIN";
+    /// ztunnel's spelling.
+    pub const PREFERED_SERVICE_NAMESPACE: &str = "PREFERED_SERVICE_NAMESPACE";
     pub const XDS_HEADER_PREFIX: &str = "XDS_HEADER_";
     pub const CA_HEADER_PREFIX: &str = "CA_HEADER_";
 }
@@ -273,6 +285,18 @@ pub struct Config {
     pub ca_headers: BTreeMap<String, Secret>,
     /// Local mode: re-read the config file's workloads, services and policies when it changes.
     pub watch_file: bool,
+    /// The DNS proxy (see `crate::dns`): unset means on in in-pod mode, off otherwise.
+    pub dns_capture: Option<bool>,
+    /// Where the DNS proxy listens, UDP and TCP: in each pod's namespace (in-pod mode), or in
+    /// the proxy's own.
+    pub dns_proxy_addr: SocketAddr,
+    /// Resolvers for names the mesh does not answer and for hostname workloads; empty: the
+    /// node's (`/etc/resolv.conf`).
+    pub dns_upstreams: Vec<SocketAddr>,
+    pub cluster_domain: String,
+    /// Among services sharing a hostname in several namespaces, the namespace whose service
+    /// answers when the client's own namespace has none.
+    pub preferred_service_namespace: Option<String>,
     /// The file this configuration was read from (set by the loader, not written in it).
     #[serde(skip)]
     pub config_file: Option<PathBuf>,
@@ -343,6 +367,11 @@ impl Default for Config {
             xds_headers: BTreeMap::new(),
             ca_headers: BTreeMap::new(),
             watch_file: true,
+            dns_capture: None,
+            dns_proxy_addr: SocketAddr::from(([127, 0, 0, 1], crate::dns::DNS_PORT)),
+            dns_upstreams: Vec::new(),
+            cluster_domain: "cluster.local".into(),
+            preferred_service_namespace: None,
             config_file: None,
             nodes: Vec::new(),
             workloads: Vec::new(),
@@ -353,6 +382,18 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The DNS proxy's settings; `enabled` resolves the default (on in in-pod mode).
+    pub fn dns(&self) -> crate::dns::DnsConfig {
+        crate::dns::DnsConfig {
+            enabled: self.dns_capture.unwrap_or(self.inpod_enabled),
+            addr: self.dns_proxy_addr,
+            upstreams: self.dns_upstreams.clone(),
+            cluster_domain: self.cluster_domain.clone(),
+            preferred_namespace: self.preferred_service_namespace.clone(),
+            ipv6: true,
+        }
+    }
+
     /// Parses YAML text; `path` names the source in errors.
     pub fn from_yaml(text: &str, path: &Path) -> Result<Config, ConfigError> {
         let cfg: Config = serde_yaml::from_str(text)
@@ -420,6 +461,39 @@ impl Config {
         if let Some(v) = get(env::EBPF_UPLINKS) {
             self.ebpf_uplinks =
                 v.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect();
+        }
+        for name in [env::META_DNS_CAPTURE, env::DNS_CAPTURE] {
+            if let Some(v) = get(name) {
+                self.dns_capture = Some(flag(name, v.to_lowercase())?);
+            }
+        }
+        for name in [env::META_DNS_PROXY_ADDR, env::DNS_PROXY_ADDR] {
+            if let Some(v) = get(name).filter(|v| !v.trim().is_empty()) {
+                self.dns_proxy_addr = v.trim().parse().map_err(|_| {
+                    ConfigError::Invalid(format!("{name}: '{v}' is not an ip:port address"))
+                })?;
+            }
+        }
+        if let Some(v) = get(env::DNS_UPSTREAMS) {
+            self.dns_upstreams = v
+                .split(',')
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+                .map(|s| {
+                    s.parse().map_err(|_| {
+                        ConfigError::Invalid(format!(
+                            "{}: '{s}' is not an ip:port address",
+                            env::DNS_UPSTREAMS
+                        ))
+                    })
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        if let Some(v) = get(env::CLUSTER_DOMAIN).filter(|v| !v.trim().is_empty()) {
+            self.cluster_domain = v.trim().to_string();
+        }
+        if let Some(v) = get(env::PREFERED_SERVICE_NAMESPACE) {
+            self.preferred_service_namespace = Some(v).filter(|v| !v.trim().is_empty());
         }
         if let Some(v) = get(env::INPOD_UDS) {
             self.inpod_socket = v.into();
@@ -602,6 +676,9 @@ impl Config {
         }
         if self.ebpf_enabled && self.inpod_enabled {
             return bad("ebpf_enabled and inpod_enabled are two redirect modes: choose one".into());
+        }
+        if let Err(e) = crate::dns::names::Domains::new(&self.cluster_domain) {
+            return bad(e);
         }
         if !self.ebpf_enabled && !self.ebpf_uplinks.is_empty() {
             return bad("ebpf_uplinks is set but ebpf_enabled is false".into());

@@ -69,7 +69,7 @@ pub async fn fake_cni(
     use crate::inpod::zds::{ResponsePayload, WorkloadRequest, WorkloadResponse};
     use prost::Message;
     for (uid, path) in &pods {
-        crate::redirect::apply(backend, path)
+        crate::redirect::apply(backend, path, true)
             .with_context(|| format!("redirect rules for pod {uid}"))?;
     }
     let l =

@@ -8,6 +8,7 @@ pub mod bench;
 pub mod config;
 pub mod cryptomb;
 pub mod devtools;
+pub mod dns;
 pub mod grpc;
 pub mod hbone;
 pub mod identity;

@@ -234,7 +234,7 @@ impl BenchMode {
 #[derive(Subcommand)]
 enum RedirectCmd {
     /// Install or remove in-pod iptables rules in a pod's network namespace (what istio-cni
-    /// does): outbound TCP → 15001, inbound → 15006 (15008 untouched), mark 0x539 skipped,
+    /// does): outbound TCP → 15001, DNS → 15053, inbound → 15006 (15008 untouched), mark 0x539 skipped,
     /// connmark 0x111 + table 100 for replies.
     Iptables {
         /// apply or remove.
@@ -242,6 +242,10 @@ enum RedirectCmd {
         /// The namespace: /var/run/netns/NAME or /proc/PID/ns/net.
         #[arg(long)]
         netns: PathBuf,
+        /// Leave DNS (port 53) alone; by default it is redirected to the DNS proxy on 15053,
+        /// as istio-cni does with DNS capture on.
+        #[arg(long)]
+        no_dns_capture: bool,
     },
     /// The same rules as nftables (table inet mbtunnel).
     Nftables {
@@ -250,6 +254,10 @@ enum RedirectCmd {
         /// The namespace: /var/run/netns/NAME or /proc/PID/ns/net.
         #[arg(long)]
         netns: PathBuf,
+        /// Leave DNS (port 53) alone; by default it is redirected to the DNS proxy on 15053,
+        /// as istio-cni does with DNS capture on.
+        #[arg(long)]
+        no_dns_capture: bool,
     },
     /// eBPF redirect: attach the tc classifiers to interfaces and enrol pods, on the node proxy
     /// running here with ebpf_enabled (through its admin API; the proxy owns programs and maps).
@@ -323,9 +331,14 @@ enum EbpfCmd {
     },
 }
 
-fn rules(backend: Backend, action: RedirectAction, netns: &std::path::Path) -> anyhow::Result<()> {
+fn rules(
+    backend: Backend,
+    action: RedirectAction,
+    netns: &std::path::Path,
+    dns: bool,
+) -> anyhow::Result<()> {
     match action {
-        RedirectAction::Apply => mbtunnel::redirect::apply(backend, netns)?,
+        RedirectAction::Apply => mbtunnel::redirect::apply(backend, netns, dns)?,
         RedirectAction::Remove => mbtunnel::redirect::remove(backend, netns)?,
     }
     Ok(())
@@ -407,6 +420,27 @@ enum Bench {
 
 #[derive(Subcommand)]
 enum Tool {
+    /// An authoritative DNS server (UDP and TCP) for fixed A/AAAA records; NXDOMAIN for other
+    /// names. Prints its address as a JSON line.
+    DnsServer {
+        #[arg(long)]
+        listen: SocketAddr,
+        /// name=ip (repeatable).
+        #[arg(long)]
+        record: Vec<String>,
+    },
+    /// One DNS query; prints the answer as a JSON line (rcode, aa, tc, answers).
+    Dig {
+        #[arg(long)]
+        server: SocketAddr,
+        #[arg(long)]
+        name: String,
+        /// A, AAAA, TXT, ...
+        #[arg(long, default_value = "A")]
+        r#type: String,
+        #[arg(long)]
+        tcp: bool,
+    },
     /// Echo every byte back on each connection.
     Echo {
         #[arg(long)]
@@ -595,6 +629,24 @@ async fn tool(t: Tool) -> anyhow::Result<()> {
     use mbtunnel::devtools;
     match t {
         Tool::Echo { listen } => devtools::echo(listen).await,
+        Tool::DnsServer { listen, record } => {
+            use mbtunnel::dns::tools;
+            let records = tools::parse_records(&record).map_err(anyhow::Error::msg)?;
+            let s = tools::StaticServer::start(listen, records).await?;
+            println!("{}", serde_json::json!({ "dns_server": s.addr.to_string() }));
+            std::future::pending::<()>().await;
+            Ok(())
+        }
+        Tool::Dig { server, name, r#type, tcp } => {
+            use mbtunnel::dns::tools;
+            let rtype: hickory_proto::rr::RecordType =
+                r#type.to_uppercase().parse().map_err(|e| anyhow::anyhow!("--type {type}: {e}"))?;
+            let m = tools::query(server, &name, rtype, tcp, std::time::Duration::from_secs(5))
+                .await
+                .map_err(anyhow::Error::msg)?;
+            println!("{}", tools::to_json(&m));
+            Ok(())
+        }
         Tool::Cni { socket, pods, redirect } => devtools::fake_cni(socket, pods, redirect).await,
         Tool::Send { connect, bind, bytes } => devtools::send(connect, bind, bytes).await,
     }
@@ -694,11 +746,11 @@ fn main() -> anyhow::Result<()> {
             print!("{}", a.check_policy(&src, src_ip, &dst.to_string())?);
             Ok(())
         }
-        Cmd::Redirect(RedirectCmd::Iptables { action, netns }) => {
-            rules(Backend::Iptables, action, &netns)
+        Cmd::Redirect(RedirectCmd::Iptables { action, netns, no_dns_capture }) => {
+            rules(Backend::Iptables, action, &netns, !no_dns_capture)
         }
-        Cmd::Redirect(RedirectCmd::Nftables { action, netns }) => {
-            rules(Backend::Nftables, action, &netns)
+        Cmd::Redirect(RedirectCmd::Nftables { action, netns, no_dns_capture }) => {
+            rules(Backend::Nftables, action, &netns, !no_dns_capture)
         }
         Cmd::Run(a) => {
             mbtunnel::net::sys::tune_allocator();

@@ -208,6 +208,25 @@ impl InPod {
                 ),
             });
         }
+        if let Some(dns) = &self.ctx.dns {
+            let clients = crate::dns::Clients::Pod(pod_uid.clone());
+            match crate::dns::server::listen(dns, Some(&netns), dns.addr, clients, &self.ctx.drain)
+                .await
+            {
+                Ok(t) => listeners.extend(t),
+                Err(e) => {
+                    for t in &listeners {
+                        t.abort();
+                    }
+                    state.set_enrolled(uid, false);
+                    return Err(PodError::Listen {
+                        uid: uid.into(),
+                        addr: dns.addr,
+                        error: format!("DNS proxy: {e}"),
+                    });
+                }
+            }
+        }
         match &w {
             Some(w) => tracing::info!(uid, workload = %w.name, identity = %id, netns = %netns.id(),
                 ips = ?w.ips, "pod enrolled: listening on 15001/15006/15008 in its network namespace"),

@@ -167,6 +167,38 @@ pub async fn listen_in(netns: &Netns, addr: SocketAddr) -> std::io::Result<TcpLi
     TcpListener::from_std(s.into())
 }
 
+/// A UDP socket bound to `addr` inside `netns` (the proxy's own namespace when `None`).
+pub async fn udp_bind_in(
+    netns: Option<&Netns>,
+    addr: SocketAddr,
+) -> std::io::Result<tokio::net::UdpSocket> {
+    let make = move || {
+        let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+        if addr.is_ipv6() {
+            s.set_only_v6(true)?;
+        }
+        s.set_nonblocking(true)?;
+        s.bind(&addr.into())?;
+        Ok::<_, std::io::Error>(s)
+    };
+    let s = match netns {
+        Some(ns) => ns.run(make).await??,
+        None => make()?,
+    };
+    tokio::net::UdpSocket::from_std(s.into())
+}
+
+/// A TCP listener on `addr` inside `netns` (the proxy's own namespace when `None`).
+pub async fn listen_maybe_in(
+    netns: Option<&Netns>,
+    addr: SocketAddr,
+) -> std::io::Result<TcpListener> {
+    match netns {
+        Some(ns) => listen_in(ns, addr).await,
+        None => TcpListener::bind(addr).await,
+    }
+}
+
 /// Connects to `dst` with `SO_MARK` (so redirect rules skip the proxy's own traffic) and, when
 /// asked, from `source` (`IP_TRANSPARENT`) so that the destination sees the original client.
 /// Fails with `TimedOut` after `opts.timeout`.

@@ -47,6 +47,10 @@ pub struct Ctx {
     /// Per-connection lines a peer can cause (refusals, HTTP/2 errors): one a second per
     /// (site, reason), the rest at debug (see `crate::ratelog`).
     pub peer_logs: RateLog<(&'static str, &'static str)>,
+    /// The DNS proxy (in-pod mode: opened in each pod), when enabled.
+    pub dns: Option<Arc<crate::dns::Dns>>,
+    /// The node's resolvers: hostname workloads are resolved through them.
+    pub upstream: Arc<crate::dns::Upstream>,
 }
 
 impl Ctx {

@@ -9,6 +9,8 @@
 //!   packet marked 0x539 sets connmark 0x111; the app's replies get it back as their mark, and a
 //!   policy route (`fwmark 0x111/0xfff` → table 100: `local default dev lo`) delivers them to the
 //!   proxy's socket instead of sending them out of the pod;
+//! - DNS (UDP and TCP port 53) the app sends to any address but loopback → REDIRECT to 15053 (the
+//!   proxy's DNS listener in the pod), when DNS capture is on (istio-cni's default);
 //! - loopback traffic is left alone.
 //!
 //! The rules are applied from a thread that entered the namespace, by running `iptables-restore`
@@ -23,6 +25,7 @@ use crate::net::netns::{open, Netns};
 pub mod control;
 pub mod ebpf;
 
+use crate::dns::DNS_PORT;
 use crate::inpod::{INBOUND_PLAINTEXT_PORT, INBOUND_PORT, OUTBOUND_PORT};
 
 /// The mark the proxy puts on its own sockets.
@@ -50,9 +53,17 @@ pub enum RedirectError {
     Command { cmd: String, status: String, stderr: String },
 }
 
-/// `iptables-restore` input for IPv4 (`v6 = false`) or IPv6.
-pub fn iptables_rules(v6: bool) -> String {
+/// `iptables-restore` input for IPv4 (`v6 = false`) or IPv6; `dns`: capture port 53 too.
+pub fn iptables_rules(v6: bool, dns: bool) -> String {
     let lo_net = if v6 { "::1/128" } else { "127.0.0.1/32" };
+    let dns_rules = if dns {
+        format!(
+            "-A MBT_OUTPUT ! -d {lo_net} -p udp --dport 53 -j REDIRECT --to-ports {DNS_PORT}\n\
+             -A MBT_OUTPUT ! -d {lo_net} -p tcp --dport 53 -j REDIRECT --to-ports {DNS_PORT}\n"
+        )
+    } else {
+        String::new()
+    };
     format!(
         "*mangle
 :MBT_PRERT - [0:0]
@@ -73,7 +84,7 @@ COMMIT
 -A MBT_PRERT ! -d {lo_net} -p tcp -j REDIRECT --to-ports {plain}
 -A MBT_OUTPUT -m mark --mark {cm:#x}/{mask:#x} -j ACCEPT
 -A MBT_OUTPUT -m mark --mark {mark:#x}/{mask:#x} -j ACCEPT
--A MBT_OUTPUT -o lo -j ACCEPT
+{dns_rules}-A MBT_OUTPUT -o lo -j ACCEPT
 -A MBT_OUTPUT ! -d {lo_net} -p tcp -j REDIRECT --to-ports {out}
 COMMIT
 ",
@@ -86,9 +97,17 @@ COMMIT
     )
 }
 
-/// `nft -f` input: one `inet` table covering IPv4 and IPv6.
-pub fn nft_rules() -> String {
+/// `nft -f` input: one `inet` table covering IPv4 and IPv6; `dns`: capture port 53 too.
+pub fn nft_rules(dns: bool) -> String {
     let keep = !MARK_MASK;
+    let dns_rules = if dns {
+        format!(
+            "meta nfproto ipv4 ip daddr != 127.0.0.1 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{DNS_PORT}\n    \
+             meta nfproto ipv6 ip6 daddr != ::1 meta l4proto {{ tcp, udp }} th dport 53 redirect to :{DNS_PORT}\n    "
+        )
+    } else {
+        String::new()
+    };
     format!(
         "table inet mbtunnel {{
   chain prerouting_mangle {{
@@ -110,7 +129,7 @@ pub fn nft_rules() -> String {
     type nat hook output priority -100; policy accept;
     meta mark & {mask:#x} == {cm:#x} accept
     meta mark & {mask:#x} == {mark:#x} accept
-    oifname \"lo\" accept
+    {dns_rules}oifname \"lo\" accept
     meta l4proto tcp redirect to :{out}
   }}
 }}
@@ -188,7 +207,7 @@ fn in_netns<T: Send + 'static>(
 
 /// Installs the rules in the namespace at `netns` (removing an earlier install first, so applying
 /// twice is the same as once).
-pub fn apply(backend: Backend, netns: &Path) -> Result<(), RedirectError> {
+pub fn apply(backend: Backend, netns: &Path, dns: bool) -> Result<(), RedirectError> {
     let v6 = ipv6_available();
     if !v6 {
         tracing::warn!("kernel without IPv6: installing the IPv4 rules only");
@@ -197,12 +216,16 @@ pub fn apply(backend: Backend, netns: &Path) -> Result<(), RedirectError> {
         remove_here(backend);
         match backend {
             Backend::Iptables => {
-                run("iptables-restore", &["--noflush".into()], Some(&iptables_rules(false)))?;
+                run("iptables-restore", &["--noflush".into()], Some(&iptables_rules(false, dns)))?;
                 if v6 {
-                    run("ip6tables-restore", &["--noflush".into()], Some(&iptables_rules(true)))?;
+                    run(
+                        "ip6tables-restore",
+                        &["--noflush".into()],
+                        Some(&iptables_rules(true, dns)),
+                    )?;
                 }
             }
-            Backend::Nftables => run("nft", &["-f".into(), "-".into()], Some(&nft_rules()))?,
+            Backend::Nftables => run("nft", &["-f".into(), "-".into()], Some(&nft_rules(dns)))?,
         }
         for c in route_cmds(true, v6, CONN_MARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY) {
             run("ip", &c, None)?;
@@ -247,12 +270,25 @@ mod tests {
 
     #[test]
     fn rules_name_the_ports_and_marks() {
-        let r = iptables_rules(false);
+        let r = iptables_rules(false, true);
         assert!(r.contains("--to-ports 15001") && r.contains("--to-ports 15006"), "{r}");
         assert!(r.contains("--dport 15008 -j ACCEPT") && r.contains("--mark 0x539/0xfff"));
-        assert!(iptables_rules(true).contains("::1/128"));
-        let n = nft_rules();
+        assert!(
+            r.contains("! -d 127.0.0.1/32 -p udp --dport 53 -j REDIRECT --to-ports 15053"),
+            "{r}"
+        );
+        assert!(
+            r.contains("! -d 127.0.0.1/32 -p tcp --dport 53 -j REDIRECT --to-ports 15053"),
+            "{r}"
+        );
+        // DNS before the TCP catch-all (else TCP 53 would reach 15001).
+        assert!(r.find("--dport 53").unwrap() < r.find("--to-ports 15001").unwrap());
+        assert!(!iptables_rules(false, false).contains("15053"));
+        assert!(iptables_rules(true, true).contains("! -d ::1/128 -p udp --dport 53"));
+        let n = nft_rules(true);
         assert!(n.contains("redirect to :15001") && n.contains("redirect to :15006"), "{n}");
+        assert!(n.contains("th dport 53 redirect to :15053"), "{n}");
+        assert!(!nft_rules(false).contains("15053"));
         assert!(n.contains("0xfffff000 | 0x111"), "{n}");
         assert_eq!(
             route_cmds(true, true, CONN_MARK, MARK_MASK, ROUTE_TABLE, RULE_PRIORITY)[0].join(" "),

@@ -438,6 +438,28 @@ impl Store {
         self.index.read().unwrap().by_host.get(host).cloned()
     }
 
+    /// The service a pod of `namespace` means by `host`: its own namespace's, else `preferred`'s,
+    /// else any (ztunnel's best match among services sharing a hostname).
+    pub fn service_for_host(
+        &self,
+        host: &str,
+        namespace: &str,
+        preferred: Option<&str>,
+    ) -> Option<Arc<Service>> {
+        let ix = self.index.read().unwrap();
+        let in_ns = |ns: &str| ix.services.get(&format!("{ns}/{host}")).cloned();
+        in_ns(namespace)
+            .or_else(|| preferred.and_then(in_ns))
+            .or_else(|| ix.by_host.get(host).cloned())
+    }
+
+    /// The workloads behind `svc` (any health).
+    pub fn endpoints_of(&self, svc: &Service) -> Vec<Arc<Workload>> {
+        let ix = self.index.read().unwrap();
+        let uids = ix.endpoints.get(&svc.key()).map(Vec::as_slice).unwrap_or_default();
+        uids.iter().filter_map(|u| ix.workloads.get(u).cloned()).collect()
+    }
+
     pub fn policy(&self, key: &str) -> Option<Arc<Authorization>> {
         self.index.read().unwrap().policies.get(key).cloned()
     }

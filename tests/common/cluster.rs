@@ -70,7 +70,7 @@ impl Cni {
 
     /// What istio-cni does for a new pod: rules in its netns, then AddWorkload with the fd.
     pub fn enroll(&self, pod: &Pod, uid: &str, name: &str, sa: &str, backend: Backend) -> String {
-        redirect::apply(backend, &pod.path()).expect("redirect rules");
+        redirect::apply(backend, &pod.path(), true).expect("redirect rules");
         let info = WorkloadInfo {
             name: name.into(),
             namespace: "demo".into(),
