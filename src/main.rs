@@ -428,6 +428,9 @@ enum Tool {
         /// name=ip (repeatable).
         #[arg(long)]
         record: Vec<String>,
+        /// TTL of the answers, seconds.
+        #[arg(long, default_value_t = 60)]
+        ttl: u32,
     },
     /// One DNS query; prints the answer as a JSON line (rcode, aa, tc, answers).
     Dig {
@@ -629,10 +632,10 @@ async fn tool(t: Tool) -> anyhow::Result<()> {
     use mbtunnel::devtools;
     match t {
         Tool::Echo { listen } => devtools::echo(listen).await,
-        Tool::DnsServer { listen, record } => {
+        Tool::DnsServer { listen, record, ttl } => {
             use mbtunnel::dns::tools;
             let records = tools::parse_records(&record).map_err(anyhow::Error::msg)?;
-            let s = tools::StaticServer::start(listen, records).await?;
+            let s = tools::StaticServer::start(listen, records, ttl).await?;
             println!("{}", serde_json::json!({ "dns_server": s.addr.to_string() }));
             std::future::pending::<()>().await;
             Ok(())

@@ -302,6 +302,39 @@ pub struct Metrics {
     pub chain_checks: Family<ChainCheckLabels, Counter>,
     /// Open inbound connections evaluated again by the live re-check.
     pub rechecked: Counter,
+    /// Connections to hostname workloads, whose address was looked up (`istio_on_demand_dns`).
+    pub on_demand_dns: Family<OnDemandDnsLabels, Counter>,
+}
+
+/// ztunnel's labels of `istio_on_demand_dns_total`: the source and the hostname looked up.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OnDemandDnsLabels {
+    pub source_workload: Label,
+    pub source_canonical_service: Label,
+    pub source_canonical_revision: Label,
+    pub source_workload_namespace: Label,
+    pub source_principal: Label,
+    pub source_app: Label,
+    pub source_version: Label,
+    pub source_cluster: Label,
+    pub hostname: Label,
+}
+
+impl OnDemandDnsLabels {
+    pub fn new(src: &Workload, principal: String, hostname: &str) -> OnDemandDnsLabels {
+        let s = Side::of(Some(src));
+        OnDemandDnsLabels {
+            source_workload: s.workload,
+            source_canonical_service: s.canonical_service,
+            source_canonical_revision: s.canonical_revision,
+            source_workload_namespace: s.namespace,
+            source_principal: Cow::Owned(principal),
+            source_app: s.app,
+            source_version: s.version,
+            source_cluster: s.cluster,
+            hostname: Cow::Owned(hostname.to_string()),
+        }
+    }
 }
 
 /// The label of an HTTP/2 error: the name of its RFC 9113 code, `unknown` for any other code (a
@@ -364,6 +397,7 @@ impl Metrics {
             tls_alerts: Family::default(),
             chain_checks: Family::default(),
             rechecked: Counter::default(),
+            on_demand_dns: Family::default(),
         };
         let istio = registry.sub_registry_with_prefix("istio");
         istio.register("tcp_connections_opened", "Connections opened", m.opened.clone());
@@ -377,6 +411,11 @@ impl Metrics {
             "tcp_received_bytes",
             "Bytes received from the client (client to destination)",
             m.received.clone(),
+        );
+        istio.register(
+            "on_demand_dns",
+            "The total number of requests that used on-demand DNS (unstable)",
+            m.on_demand_dns.clone(),
         );
         let mbt = registry.sub_registry_with_prefix("mbtunnel");
         mbt.register("tls_handshakes", "TLS handshakes completed or failed", m.handshakes.clone());

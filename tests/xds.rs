@@ -646,3 +646,89 @@ async fn waypoint_references_fail_closed() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+/// An encoded hostname workload (a ServiceEntry endpoint with DNS resolution): no address, plain
+/// TCP, backing `demo/<svc>.demo.svc.cluster.local` on `port`.
+fn hostname_workload(uid: &str, hostname: &str, svc: &str, port: u32) -> (String, Vec<u8>) {
+    use mbtunnel::proto::workload as pb;
+    use prost::Message;
+    let w = pb::Workload {
+        uid: uid.into(),
+        name: "ext".into(),
+        namespace: "demo".into(),
+        hostname: hostname.into(),
+        tunnel_protocol: pb::TunnelProtocol::None as i32,
+        services: [(
+            format!("demo/{svc}.demo.svc.cluster.local"),
+            pb::PortList { ports: vec![pb::Port { service_port: port, target_port: port }] },
+        )]
+        .into(),
+        ..Default::default()
+    };
+    (uid.into(), pb::Address { r#type: Some(pb::address::Type::Workload(w)) }.encode_to_vec())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostname_workloads_are_accepted_and_resolved_when_connected_to() {
+    use mbtunnel::dns::tools::{parse_records, StaticServer};
+    use std::sync::atomic::Ordering;
+    let net = 109;
+    let cp = ControlPlane::start().await;
+    let never = common::temp_dir("xds-never-ca-host");
+    // The node's resolver: ext.example.test → the echo's address, with a 1 s TTL.
+    let records = parse_records(&[format!("ext.example.test={}", ip(net, 70))]).unwrap();
+    let up = StaticServer::start(SocketAddr::new(ip(net, 60), 0), records, 1).await.unwrap();
+    let peers = start_echo(SocketAddr::new(ip(net, 70), 8080)).await;
+    cp.upsert(
+        ADDRESS_TYPE,
+        vec![
+            cp::workload("c1", "client", "client", ip(net, 2), "node-a", &[]),
+            hostname_workload("h1", "ext.example.test", "ext", 8080),
+            cp::service("ext", ip(net, 50), 8080),
+        ],
+    );
+    let mut cfg = node_config(net, "node-a", &cp, cp::TOKEN, &never);
+    cfg.dns_upstreams = vec![up.addr];
+    let a = mbtunnel::app::start(cfg, None).await.expect("start A");
+    assert!(wait_ready(&a).await, "not ready: {:?}", cp.seen());
+    // Accepted, not NACKed (before, a workload without addresses was refused).
+    let w = a.ctx.state.workload_by_uid("h1").expect("hostname workload held");
+    assert_eq!((w.hostname.as_str(), w.ips.len()), ("ext.example.test", 0));
+    assert_eq!(count(&cp, |s| matches!(s, Seen::Nack { .. })), 0, "{:?}", cp.seen());
+
+    assert!(echo_ok(net, 2).await, "the hostname workload was not reached");
+    assert!(echo_ok(net, 2).await);
+    assert_eq!(peers.lock().unwrap().len(), 2, "both connections reach the resolved address");
+    // The second connection used the cached answer; after its TTL the name is asked again.
+    let asked = up.queries.load(Ordering::Relaxed);
+    assert!(asked >= 1, "the resolver was never asked");
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    assert!(echo_ok(net, 2).await);
+    assert!(up.queries.load(Ordering::Relaxed) > asked, "the TTL was not honoured");
+    let am = a.metrics_text();
+    assert_eq!(
+        metric(&am, "istio_on_demand_dns_total", &["hostname=\"ext.example.test\""]),
+        Some(3.0),
+        "{am}"
+    );
+
+    // A hostname that does not resolve: refused with the reason, never sent anywhere.
+    cp.upsert(ADDRESS_TYPE, vec![hostname_workload("h1", "gone.example.test", "ext", 8080)]);
+    assert!(
+        wait_for(|| a
+            .ctx
+            .state
+            .workload_by_uid("h1")
+            .is_some_and(|w| w.hostname == "gone.example.test"))
+        .await
+    );
+    assert!(!echo_ok(net, 2).await, "an unresolvable hostname workload was reached");
+    let am = a.metrics_text();
+    assert_eq!(
+        metric(&am, "mbtunnel_connections_refused_total", &["dns_resolution_failed"]),
+        Some(1.0),
+        "{am}"
+    );
+    assert_eq!(peers.lock().unwrap().len(), 3);
+    a.shutdown().await;
+}

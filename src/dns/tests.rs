@@ -59,6 +59,7 @@ async fn proxy() -> (Dns, Arc<Store>, StaticServer) {
             "echo.demo.svc.cluster.local.example.org=203.0.113.99".into(),
         ])
         .unwrap(),
+        60,
     )
     .await
     .unwrap();

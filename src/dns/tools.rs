@@ -37,7 +37,7 @@ fn fqdn_key(n: &str) -> String {
     }
 }
 
-/// An authoritative server over UDP and TCP for fixed records (TTL 60): A/AAAA of a known name
+/// An authoritative server over UDP and TCP for fixed records (with one TTL): A/AAAA of a known name
 /// are answered, a known name without records of the type gets NOERROR, anything else
 /// NXDOMAIN. Counts the queries it answered.
 pub struct StaticServer {
@@ -46,7 +46,11 @@ pub struct StaticServer {
 }
 
 impl StaticServer {
-    pub async fn start(listen: SocketAddr, records: Records) -> std::io::Result<StaticServer> {
+    pub async fn start(
+        listen: SocketAddr,
+        records: Records,
+        ttl: u32,
+    ) -> std::io::Result<StaticServer> {
         let udp = tokio::net::UdpSocket::bind(listen).await?;
         let addr = udp.local_addr()?;
         let tcp = tokio::net::TcpListener::bind(addr).await?;
@@ -56,7 +60,7 @@ impl StaticServer {
         tokio::spawn(async move {
             let mut buf = vec![0u8; 4096];
             while let Ok((n, src)) = udp.recv_from(&mut buf).await {
-                if let Some(out) = static_answer(&r, &buf[..n]) {
+                if let Some(out) = static_answer(&r, &buf[..n], ttl) {
                     q.fetch_add(1, Ordering::Relaxed);
                     let _ = udp.send_to(&out, src).await;
                 }
@@ -73,7 +77,7 @@ impl StaticServer {
                         if s.read_exact(&mut p).await.is_err() {
                             return;
                         }
-                        let Some(out) = static_answer(&r, &p) else { return };
+                        let Some(out) = static_answer(&r, &p, ttl) else { return };
                         q.fetch_add(1, Ordering::Relaxed);
                         let mut framed = (out.len() as u16).to_be_bytes().to_vec();
                         framed.extend_from_slice(&out);
@@ -88,7 +92,7 @@ impl StaticServer {
     }
 }
 
-fn static_answer(records: &Records, packet: &[u8]) -> Option<Vec<u8>> {
+fn static_answer(records: &Records, packet: &[u8], ttl: u32) -> Option<Vec<u8>> {
     let req = Message::from_vec(packet).ok()?;
     let q = req.queries().first()?.clone();
     let mut m = Message::new();
@@ -109,7 +113,7 @@ fn static_answer(records: &Records, packet: &[u8]) -> Option<Vec<u8>> {
                     (IpAddr::V6(a), RecordType::AAAA) => RData::AAAA(AAAA(*a)),
                     _ => continue,
                 };
-                m.add_answer(Record::from_rdata(q.name().clone(), 60, rdata));
+                m.add_answer(Record::from_rdata(q.name().clone(), ttl, rdata));
             }
         }
     }

@@ -10,7 +10,7 @@ use tracing::Instrument;
 use super::{drain_cut, relay, reset_on_close, ConnRecord, Ctx};
 use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey, Tunnel};
-use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
+use crate::metrics::{ConnLabels, OnDemandDnsLabels, Reporter, SecurityPolicy};
 use crate::net::netns::Netns;
 use crate::net::socket::dial;
 use crate::state::Protocol;
@@ -115,6 +115,31 @@ pub async fn handle(
             return None;
         };
         let src_id = ctx.state.identity_of(&src_wl);
+        let mut upstream = upstream;
+        if let Some(host) = upstream.resolve.clone() {
+            // A hostname workload: its address now (cached for the records' TTL).
+            let labels = OnDemandDnsLabels::new(&src_wl, src_id.to_string(), &host);
+            ctx.metrics.on_demand_dns.get_or_create(&labels).inc();
+            match ctx.upstream.lookup_ip(&host).await {
+                Ok(ips) => match pick_family(&ips, dst) {
+                    Some(ip) => upstream.resolved(ip),
+                    None => {
+                        ctx.metrics.refuse("dns_no_addresses");
+                        tracing::warn!(workload = %upstream.workload.uid, hostname = %host,
+                            "refused: the workload's hostname resolved to no address");
+                        reset_on_close(&client);
+                        return None;
+                    }
+                },
+                Err(e) => {
+                    ctx.metrics.refuse("dns_resolution_failed");
+                    tracing::warn!(workload = %upstream.workload.uid, hostname = %host, error = %e,
+                        "refused: the workload's hostname does not resolve");
+                    reset_on_close(&client);
+                    return None;
+                }
+            }
+        }
         let dst_id = upstream.identity.clone();
         let (policy, hop) = match upstream.protocol {
             Protocol::Hbone => (SecurityPolicy::mutual_tls, upstream.hbone_addr),
@@ -208,6 +233,16 @@ pub async fn handle(
         Some(Ready::Tunnel(client, tunnel, rec)) => relay_beside(&ctx2, client, tunnel, rec).await,
         None => {}
     }
+}
+
+/// One of `ips`, in the family of the address dialled when there is one (as ztunnel picks),
+/// taken in turn.
+fn pick_family(ips: &[std::net::IpAddr], dst: SocketAddr) -> Option<std::net::IpAddr> {
+    static TURN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let same: Vec<_> = ips.iter().filter(|ip| ip.is_ipv4() == dst.is_ipv4()).collect();
+    let from = if same.is_empty() { ips.iter().collect() } else { same };
+    let turn = TURN.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    from.get(turn % from.len().max(1)).map(|ip| **ip)
 }
 
 /// A connection set up and ready to relay.

@@ -69,6 +69,20 @@ pub struct Upstream {
     pub via: Via,
     /// Set for [`Via::Gateway`]: the next hop is the gateway, `identity`/`sans` are its own.
     pub double: Option<Double>,
+    /// Set when the destination is a hostname workload: `target`'s address (and `hbone_addr`'s,
+    /// when it is the workload's own) is unspecified until [`Upstream::resolved`] sets it.
+    pub resolve: Option<String>,
+}
+
+impl Upstream {
+    /// Fills in the address a hostname workload resolved to.
+    pub fn resolved(&mut self, ip: IpAddr) {
+        if self.hbone_addr.ip().is_unspecified() {
+            self.hbone_addr.set_ip(ip);
+        }
+        self.target.set_ip(ip);
+        self.resolve = None;
+    }
 }
 
 /// Why a mesh destination has no route. [`reason`](Self::reason) is the refusal metric's label.
@@ -203,6 +217,7 @@ impl Store {
                 .filter(|w| {
                     w.fail_closed.is_none()
                         && (w.ips.iter().any(|ip| svc.ip_families.accepts(*ip))
+                            || (w.ips.is_empty() && !w.hostname.is_empty())
                             || (w.network != src_network && w.network_gateway.is_some()))
                 })
                 .map(|w| (w, ()))
@@ -222,12 +237,22 @@ impl Store {
                 .map(|m| m.target_port)
                 .filter(|p| *p != 0);
             let target_port = mapped.or(port.target_port).unwrap_or(port.port);
-            let ip = ip_like(w, dst.ip(), svc.ip_families)
-                .ok_or_else(|| LookupError::NoEndpoints(key.clone()))?;
+            // A hostname workload: its address is looked up when the connection is made.
+            let by_name = w.ips.is_empty() && !w.hostname.is_empty();
+            let ip = match ip_like(w, dst.ip(), svc.ip_families) {
+                Some(ip) => ip,
+                None if by_name && dst.is_ipv4() => IpAddr::from([0u8; 4]),
+                None if by_name => IpAddr::from([0u16; 8]),
+                None => return Err(LookupError::NoEndpoints(key.clone())),
+            };
             let target = SocketAddr::new(ip, target_port);
             let hop =
                 Hop { workload: w.clone(), addr: target, sans: svc.subject_alt_names.clone() };
-            return Ok(Some(self.direct(hop, Some(svc.clone()))));
+            let mut up = self.direct(hop, Some(svc.clone()));
+            if by_name {
+                up.resolve = Some(w.hostname.clone());
+            }
+            return Ok(Some(up));
         }
         // A pod IP: only workloads of the source's network share its address space.
         let Some(w) = ix.by_ip.get(&dst.ip()).filter(|w| w.network == src_network) else {
@@ -292,6 +317,7 @@ impl Store {
             service,
             via: Via::Direct,
             double: None,
+            resolve: None,
         }
     }
 
@@ -358,6 +384,7 @@ impl Store {
             service,
             via,
             double: None,
+            resolve: None,
         }
     }
 
@@ -488,7 +515,7 @@ fn parse_sans(sans: &[String]) -> Vec<Identity> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{local_resources, Delta, Resource, StoreConfig};
+    use super::super::{local_resources, Delta, PortMapping, Resource, StoreConfig};
     use super::*;
 
     const MESH: &str = r#"
@@ -535,7 +562,13 @@ services:
 - {name: remote-ew, vips: [10.96.0.17], ports: [{port: 80}], workloads: [r3],
    subject_alt_names: ["spiffe://cluster.local/ns/default/sa/remote-alt"]}
 - {name: ew, namespace: istio-system, vips: [10.96.0.18], ports: [{port: 15009}], workloads: [ew]}
+- {name: ext, hostname: api.example.org, vips: [240.240.0.9], ports: [{port: 443, target_port: 8443}],
+   workloads: [h1]}
 "#;
+
+    /// A ServiceEntry endpoint with DNS resolution: no address, a hostname.
+    const HOSTNAME_WORKLOAD: &str =
+        "{uid: h1, name: ext, hostname: api.example.org, node: '', protocol: TCP}";
 
     #[derive(serde::Deserialize)]
     struct Mesh {
@@ -559,6 +592,12 @@ services:
                 .unwrap();
         closed.fail_closed = Some("refused: bad waypoint".into());
         upserts.push(Resource::Service(closed));
+        let mut h: Workload = serde_yaml::from_str(HOSTNAME_WORKLOAD).unwrap();
+        h.services.insert(
+            "default/api.example.org".into(),
+            vec![PortMapping { service_port: 443, target_port: 8443 }],
+        );
+        upserts.push(Resource::Workload(h));
         s.apply(Delta { upserts, removes: vec![] });
         s
     }
@@ -571,6 +610,26 @@ services:
         Passthrough,
     }
     use Want::*;
+
+    #[test]
+    fn a_hostname_workload_is_chosen_and_resolved_at_connect_time() {
+        let s = store();
+        let c = s.workload_by_uid("c").unwrap();
+        let mut u =
+            s.resolve("240.240.0.9:443".parse().unwrap(), Some(&c), c.ips[0]).unwrap().unwrap();
+        assert_eq!(u.resolve.as_deref(), Some("api.example.org"));
+        assert_eq!(u.target, "0.0.0.0:8443".parse().unwrap());
+        assert_eq!((u.protocol, u.workload.uid.as_str()), (Protocol::Tcp, "h1"));
+        u.resolved("192.0.2.10".parse().unwrap());
+        assert_eq!(u.target, "192.0.2.10:8443".parse().unwrap());
+        assert_eq!(u.resolve, None);
+        // Accepted by validation (an address is not needed with a hostname).
+        let h: Workload = serde_yaml::from_str(HOSTNAME_WORKLOAD).unwrap();
+        assert!(h.validate("cluster.local").is_ok());
+        let mut none = h.clone();
+        none.hostname.clear();
+        assert!(none.validate("cluster.local").unwrap_err().contains("no hostname"));
+    }
 
     #[test]
     fn route_table() {

@@ -44,7 +44,12 @@ pub struct Workload {
     /// Empty: the proxy's trust domain.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub trust_domain: String,
+    #[serde(default)]
     pub ips: Vec<IpAddr>,
+    /// Set for a workload reached by name (a ServiceEntry endpoint with DNS resolution): its
+    /// address is looked up when a connection is made to it (cached for the records' TTL).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub hostname: String,
     pub node: String,
     #[serde(default)]
     pub protocol: Protocol,
@@ -168,9 +173,13 @@ impl Workload {
         if self.uid.is_empty() {
             return Err(format!("workload '{}' has no uid", self.name));
         }
-        // A workload of another network may have no address: its network gateway reaches it.
-        if self.ips.is_empty() && self.network_gateway.is_none() {
-            return Err(format!("workload '{}' has no ips (and no network gateway)", self.uid));
+        // A workload of another network may have no address: its network gateway reaches it;
+        // a hostname workload's address is looked up at connect time.
+        if self.ips.is_empty() && self.hostname.is_empty() && self.network_gateway.is_none() {
+            return Err(format!(
+                "workload '{}' has no ips, no hostname and no network gateway",
+                self.uid
+            ));
         }
         let id = format!("{}", self.identity(default_td));
         id.parse::<Identity>().map_err(|e| format!("workload '{}': {e}", self.uid))?;

@@ -161,10 +161,13 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
     };
     let ips = w.addresses.iter().map(|a| ip_of(a)).collect::<Result<Vec<_>, _>>()?;
     let network_gateway = gateway(w.network_gateway, "network gateway")?;
-    if ips.is_empty() && network_gateway.is_none() {
-        // Workloads reached by hostname only (e.g. ServiceEntry DNS) are not proxied here; one
-        // of another network without an address is reached through its network gateway.
-        return Err("workload has no addresses".into());
+    if ips.is_empty() && w.hostname.is_empty() && network_gateway.is_none() {
+        // A hostname workload (ServiceEntry with DNS resolution) is resolved at connect time;
+        // one of another network without an address is reached through its network gateway.
+        return Err("workload has no addresses, no hostname and no network gateway".into());
+    }
+    if !w.hostname.is_empty() && hickory_proto::rr::Name::from_utf8(&w.hostname).is_err() {
+        return Err(format!("hostname '{}' is not a DNS name", w.hostname));
     }
     let mut services = BTreeMap::new();
     // An unhealthy workload stays an endpoint of its services, chosen only by those whose health
@@ -195,6 +198,7 @@ pub fn workload(w: pb::Workload) -> Result<Workload, String> {
         },
         trust_domain: w.trust_domain,
         ips,
+        hostname: w.hostname,
         node: w.node,
         protocol,
         canonical_name: w.canonical_name,
