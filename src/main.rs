@@ -160,6 +160,13 @@ struct RunArgs {
     /// [env: INPOD_UDS]
     #[arg(long)]
     inpod_socket: Option<std::path::PathBuf>,
+    /// The DNS proxy: true or false (default: on in in-pod mode, off otherwise). It answers mesh
+    /// hostnames and forwards the rest to MBTUNNEL_DNS_UPSTREAMS (ip:port,...; default the
+    /// servers of /etc/resolv.conf); it listens on DNS_PROXY_ADDR (default 127.0.0.1:15053) in
+    /// each pod's namespace (in-pod mode) or in the proxy's. Short names use CLUSTER_DOMAIN
+    /// (default cluster.local). [env: DNS_CAPTURE, ISTIO_META_DNS_CAPTURE]
+    #[arg(long)]
+    dns_capture: Option<bool>,
     /// istiod's xDS endpoint, e.g. https://istiod.istio-system.svc:15012. Set: workloads,
     /// services and authorization policies come over delta xDS (the file must list none).
     /// Extra gRPC metadata: XDS_HEADER_<name>=<value>. [env: XDS_ADDRESS]
@@ -443,6 +450,9 @@ enum Tool {
         r#type: String,
         #[arg(long)]
         tcp: bool,
+        /// Source address.
+        #[arg(long)]
+        bind: Option<std::net::IpAddr>,
     },
     /// Echo every byte back on each connection.
     Echo {
@@ -531,6 +541,9 @@ fn load_config(a: &RunArgs) -> anyhow::Result<Config> {
     }
     if a.inpod {
         cfg.inpod_enabled = true;
+    }
+    if let Some(v) = a.dns_capture {
+        cfg.dns_capture = Some(v);
     }
     if let Some(v) = &a.inpod_socket {
         cfg.inpod_socket = v.clone();
@@ -640,13 +653,15 @@ async fn tool(t: Tool) -> anyhow::Result<()> {
             std::future::pending::<()>().await;
             Ok(())
         }
-        Tool::Dig { server, name, r#type, tcp } => {
+        Tool::Dig { server, name, r#type, tcp, bind } => {
             use mbtunnel::dns::tools;
             let rtype: hickory_proto::rr::RecordType =
                 r#type.to_uppercase().parse().map_err(|e| anyhow::anyhow!("--type {type}: {e}"))?;
-            let m = tools::query(server, &name, rtype, tcp, std::time::Duration::from_secs(5))
-                .await
-                .map_err(anyhow::Error::msg)?;
+            let mut ask = tools::Ask::udp().tcp(tcp);
+            if let Some(ip) = bind {
+                ask = ask.from(ip);
+            }
+            let m = tools::query(server, &name, rtype, ask).await.map_err(anyhow::Error::msg)?;
             println!("{}", tools::to_json(&m));
             Ok(())
         }

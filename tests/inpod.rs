@@ -74,6 +74,11 @@ impl Drop for Cluster {
 }
 
 fn cluster(tag: &str) -> Cluster {
+    cluster_with(tag, |_| {})
+}
+
+/// [`cluster`] with each node's configuration changed by `tweak` first.
+fn cluster_with(tag: &str, tweak: fn(&mut Config)) -> Cluster {
     let sim = Sim::two_nodes();
     let dir = temp_dir(&format!("inpod-{tag}"));
     std::fs::create_dir_all(&dir).unwrap();
@@ -81,8 +86,11 @@ fn cluster(tag: &str) -> Cluster {
     let mut cni1 = Cni::new(s1.clone());
     let mut cni2 = Cni::new(s2.clone());
     let ca = dir.join("ca");
-    let n1 = Node::start(&sim, 1, mesh_yaml(1, &ca, &s1));
-    let n2 = Node::start(&sim, 2, mesh_yaml(2, &ca, &s2));
+    let (mut y1, mut y2) = (mesh_yaml(1, &ca, &s1), mesh_yaml(2, &ca, &s2));
+    tweak(&mut y1);
+    tweak(&mut y2);
+    let n1 = Node::start(&sim, 1, y1);
+    let n2 = Node::start(&sim, 2, y2);
     cni1.accept();
     cni2.accept();
     assert!(!n1.r().is_ready(), "not ready before the CNI's snapshot");
@@ -570,4 +578,102 @@ fn a_pod_added_before_its_workload_is_accepted_and_its_connections_wait_for_it()
     // A pending pod deleted before its workload ever came.
     assert_eq!(c.cni1.send(WorkloadRequest::del("gone-uid"), None), "");
     wait("the deleted pod gone", || c.n1.pods() == ["late-uid"] && pending(&c.n1) == Some(0.0));
+}
+
+/// The node's resolver in the tests below (where kube-dns would be): node 1's own address.
+const NODE_DNS: &str = "10.0.0.1:53";
+
+/// One DNS query from inside `pod` to the node's resolver address (captured to the proxy).
+fn dig(pod: &Pod, name: &str, rtype: &str, tcp: bool) -> hickory_proto::op::Message {
+    let (name, rtype) = (name.to_string(), rtype.parse().unwrap());
+    pod.run(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let ask = mbtunnel::dns::tools::Ask::udp().tcp(tcp);
+        rt.block_on(mbtunnel::dns::tools::query(NODE_DNS.parse().unwrap(), &name, rtype, ask))
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+    })
+}
+
+/// Answer addresses of a response.
+fn addrs(m: &hickory_proto::op::Message) -> Vec<String> {
+    m.answers()
+        .iter()
+        .filter(|r| r.record_type().is_ip_addr())
+        .map(|r| r.data().to_string())
+        .collect()
+}
+
+/// In-pod DNS capture: the pod's queries to its resolver (port 53, UDP and TCP) reach the proxy
+/// in its namespace, which answers mesh names (a service by full and short name, a ServiceEntry
+/// host) from the mesh state and forwards the rest to the node's resolver (a server this test
+/// starts in node 1's namespace); the answer for a service is usable (the pod connects to it).
+#[test]
+fn a_pod_resolves_mesh_names_service_entries_and_outside_names_through_the_proxy() {
+    use mbtunnel::dns::tools::{parse_records, StaticServer};
+    use mbtunnel::state::{local_resources, Delta, Service};
+    require_netns!();
+    let c = cluster_with("dns", |cfg| cfg.dns_upstreams = vec![NODE_DNS.parse().unwrap()]);
+    let records = parse_records(&["outside.example.test=203.0.113.9".into()]).unwrap();
+    let up =
+        c.n1.rt
+            // Spawned: binds on a runtime thread, inside node 1's namespace.
+            .block_on(async {
+                tokio::spawn(StaticServer::start(NODE_DNS.parse().unwrap(), records, 30)).await
+            })
+            .unwrap()
+            .expect("the node's resolver");
+    let client = c.sim.add_pod(1, 2);
+    let echo = c.sim.add_pod(2, 2);
+    let _peers = echo_in(&echo);
+    assert_eq!(enroll(&c.cni1, &client, "client-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni2, &echo, "echo-uid", Backend::Nftables), "");
+    snapshot(&c.cni1);
+    snapshot(&c.cni2);
+    // A Kubernetes service and a ServiceEntry host (auto-allocated address), both backed by
+    // the echo pod, as istiod would push them.
+    let svcs: Vec<Service> = serde_yaml::from_str(
+        "- {name: echo, namespace: demo, vips: [10.96.0.2], ports: [{port: 80, target_port: 8080}],
+           workloads: [echo-uid]}
+- {name: api, namespace: demo, hostname: api.example.test, vips: [240.240.0.1],
+   ports: [{port: 80, target_port: 8080}], workloads: [echo-uid]}",
+    )
+    .unwrap();
+    for node in [&c.n1, &c.n2] {
+        let state = &node.r().ctx.state;
+        let w = (*state.workload_by_uid("echo-uid").unwrap()).clone();
+        state.apply(Delta { upserts: local_resources(&[w], &svcs, &[]), removes: vec![] });
+    }
+
+    use hickory_proto::op::ResponseCode;
+    for tcp in [false, true] {
+        // Mesh names: authoritative answers from the proxy (the node's resolver knows none).
+        for name in ["echo.demo.svc.cluster.local.", "echo", "echo.demo"] {
+            let m = dig(&client, name, "A", tcp);
+            assert_eq!(addrs(&m), ["10.96.0.2"], "{name} tcp={tcp}");
+            assert!(m.authoritative(), "{name}");
+        }
+        let m = dig(&client, "api.example.test.", "A", tcp);
+        assert_eq!(addrs(&m), ["240.240.0.1"]);
+        assert!(m.authoritative());
+        // Outside names: forwarded; the node's resolver is authoritative for them, the proxy's
+        // relayed answer is not (so it did not bypass the proxy).
+        let m = dig(&client, "outside.example.test.", "A", tcp);
+        assert_eq!(addrs(&m), ["203.0.113.9"]);
+        assert!(!m.authoritative(), "answered directly, not through the proxy");
+        let m = dig(&client, "nowhere.example.test.", "A", tcp);
+        assert_eq!(m.response_code(), ResponseCode::NXDomain);
+    }
+    assert!(up.queries.load(std::sync::atomic::Ordering::Relaxed) >= 2);
+    // The answer is usable: the pod connects to the service's address through its proxy.
+    round_trip(connect_from(&client, sa("10.96.0.2".parse().unwrap(), 80)).unwrap(), 4096);
+    round_trip(connect_from(&client, sa("240.240.0.1".parse().unwrap(), 80)).unwrap(), 4096);
+
+    let t = c.n1.metrics();
+    let udp = ["request_query_type=\"a\"", "request_protocol=\"udp\""];
+    let tcp = ["request_query_type=\"a\"", "request_protocol=\"tcp\""];
+    assert_eq!(metric(&t, "istio_dns_requests_total", &udp), Some(6.0), "{t}");
+    assert_eq!(metric(&t, "istio_dns_requests_total", &tcp), Some(6.0), "{t}");
+    assert_eq!(metric(&t, "istio_dns_upstream_requests_total", &udp), Some(2.0), "{t}");
+    assert_eq!(metric(&t, "istio_dns_upstream_failures_total", &udp), Some(1.0), "{t}");
+    assert!(t.contains("istio_dns_upstream_request_duration_seconds_bucket"), "{t}");
 }

@@ -689,19 +689,35 @@ async fn hostname_workloads_are_accepted_and_resolved_when_connected_to() {
     );
     let mut cfg = node_config(net, "node-a", &cp, cp::TOKEN, &never);
     cfg.dns_upstreams = vec![up.addr];
+    // Node mode's DNS proxy, in the proxy's namespace: the client is found by source address
+    // (a query to the client's own loopback address comes from it).
+    cfg.dns_capture = Some(true);
+    cfg.dns_proxy_addr = SocketAddr::new(ip(net, 2), 15053);
     let a = mbtunnel::app::start(cfg, None).await.expect("start A");
     assert!(wait_ready(&a).await, "not ready: {:?}", cp.seen());
     // Accepted, not NACKed (before, a workload without addresses was refused).
     let w = a.ctx.state.workload_by_uid("h1").expect("hostname workload held");
     assert_eq!((w.hostname.as_str(), w.ips.len()), ("ext.example.test", 0));
     assert_eq!(count(&cp, |s| matches!(s, Seen::Nack { .. })), 0, "{:?}", cp.seen());
+    {
+        use hickory_proto::rr::RecordType::A;
+        use mbtunnel::dns::tools::{query, Ask};
+        let dns = SocketAddr::new(ip(net, 2), 15053);
+        let ask = Ask::udp().from(ip(net, 2));
+        let m = query(dns, "ext.demo.svc.cluster.local.", A, ask).await.unwrap();
+        assert!(m.authoritative());
+        assert_eq!(m.answers()[0].data().to_string(), ip(net, 50).to_string());
+        let m = query(dns, "ext.example.test.", A, ask.tcp(true)).await.unwrap();
+        assert!(!m.authoritative(), "forwarded");
+        assert_eq!(m.answers()[0].data().to_string(), ip(net, 70).to_string());
+    }
 
     assert!(echo_ok(net, 2).await, "the hostname workload was not reached");
     assert!(echo_ok(net, 2).await);
     assert_eq!(peers.lock().unwrap().len(), 2, "both connections reach the resolved address");
     // The second connection used the cached answer; after its TTL the name is asked again.
     let asked = up.queries.load(Ordering::Relaxed);
-    assert!(asked >= 1, "the resolver was never asked");
+    assert!(asked >= 2, "the resolver was never asked");
     tokio::time::sleep(Duration::from_millis(2100)).await;
     assert!(echo_ok(net, 2).await);
     assert!(up.queries.load(Ordering::Relaxed) > asked, "the TTL was not honoured");

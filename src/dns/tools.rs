@@ -120,15 +120,35 @@ fn static_answer(records: &Records, packet: &[u8], ttl: u32) -> Option<Vec<u8>> 
     m.to_vec().ok()
 }
 
-/// Sends one query for `name`/`rtype` to `server` (over TCP when `tcp`) and returns the
-/// response; fails after `timeout`.
+/// How [`query`] asks.
+#[derive(Clone, Copy, Debug)]
+pub struct Ask {
+    pub tcp: bool,
+    pub timeout: Duration,
+    /// The source address (default: the kernel's choice).
+    pub from: Option<IpAddr>,
+}
+
+impl Ask {
+    pub fn udp() -> Ask {
+        Ask { tcp: false, timeout: Duration::from_secs(5), from: None }
+    }
+    pub fn tcp(self, tcp: bool) -> Ask {
+        Ask { tcp, ..self }
+    }
+    pub fn from(self, ip: IpAddr) -> Ask {
+        Ask { from: Some(ip), ..self }
+    }
+}
+
+/// Sends one query for `name`/`rtype` to `server` and returns the response.
 pub async fn query(
     server: SocketAddr,
     name: &str,
     rtype: RecordType,
-    tcp: bool,
-    timeout: Duration,
+    ask: Ask,
 ) -> Result<Message, String> {
+    let timeout = ask.timeout;
     let mut n = Name::from_utf8(name).map_err(|e| format!("'{name}': {e}"))?;
     if name.ends_with('.') {
         n.set_fqdn(true);
@@ -136,7 +156,7 @@ pub async fn query(
     let mut m = Message::new();
     m.set_id(rand_id()).set_recursion_desired(true).add_query(Query::query(n, rtype));
     let out = m.to_vec().map_err(|e| e.to_string())?;
-    let reply = tokio::time::timeout(timeout, exchange(server, &out, tcp))
+    let reply = tokio::time::timeout(timeout, exchange(server, &out, ask.tcp, ask.from))
         .await
         .map_err(|_| format!("no answer from {server} within {timeout:?}"))?
         .map_err(|e| format!("{server}: {e}"))?;
@@ -147,10 +167,23 @@ pub async fn query(
     Ok(r)
 }
 
-/// Sends raw bytes to `server` and returns the raw answer.
-pub async fn exchange(server: SocketAddr, packet: &[u8], tcp: bool) -> std::io::Result<Vec<u8>> {
+/// Sends raw bytes to `server` (from `from` when set) and returns the raw answer.
+pub async fn exchange(
+    server: SocketAddr,
+    packet: &[u8],
+    tcp: bool,
+    from: Option<IpAddr>,
+) -> std::io::Result<Vec<u8>> {
+    let any: IpAddr = if server.is_ipv4() { [0u8; 4].into() } else { [0u16; 8].into() };
+    let bind = SocketAddr::new(from.unwrap_or(any), 0);
     if tcp {
-        let mut s = tokio::net::TcpStream::connect(server).await?;
+        let sock = if server.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        sock.bind(bind)?;
+        let mut s = sock.connect(server).await?;
         let mut framed = (packet.len() as u16).to_be_bytes().to_vec();
         framed.extend_from_slice(packet);
         s.write_all(&framed).await?;
@@ -160,8 +193,6 @@ pub async fn exchange(server: SocketAddr, packet: &[u8], tcp: bool) -> std::io::
         s.read_exact(&mut r).await?;
         Ok(r)
     } else {
-        let bind: SocketAddr =
-            if server.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { ([0u16; 8], 0).into() };
         let s = tokio::net::UdpSocket::bind(bind).await?;
         s.connect(server).await?;
         s.send(packet).await?;
