@@ -7,7 +7,7 @@ use hickory_proto::rr::{Name, RecordType};
 
 use super::tools::{parse_records, StaticServer};
 use super::*;
-use crate::state::{local_resources, Delta, StoreConfig};
+use crate::state::{local_resources, Delta};
 
 const MESH: &str = r#"
 workloads:
@@ -30,24 +30,8 @@ services:
 - {name: echo, namespace: other, vips: [10.96.0.30], ports: [{port: 80}]}
 "#;
 
-#[derive(serde::Deserialize)]
-struct Mesh {
-    workloads: Vec<Workload>,
-    services: Vec<Service>,
-}
-
 fn store() -> Arc<Store> {
-    let s = Store::new(StoreConfig {
-        trust_domain: "cluster.local".into(),
-        node_name: "a".into(),
-        hbone_port: 15008,
-        node_hbone: Default::default(),
-        inpod: false,
-        sync_timeout: None,
-    });
-    let m: Mesh = serde_yaml::from_str(MESH).unwrap();
-    s.apply(Delta { upserts: local_resources(&m.workloads, &m.services, &[]), removes: vec![] });
-    Arc::new(s)
+    Arc::new(crate::state::store_of_yaml("a", MESH).unwrap())
 }
 
 async fn proxy() -> (Dns, Arc<Store>, StaticServer) {

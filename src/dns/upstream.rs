@@ -42,6 +42,12 @@ impl Upstream {
         }
     }
 
+    /// No resolver: every forward fails at once with SERVFAIL (fuzzing, benches of the local
+    /// path).
+    pub fn none(why: &str) -> Upstream {
+        Upstream { resolver: Err(why.to_string()), servers: Vec::new() }
+    }
+
     fn build(servers: &[SocketAddr]) -> Result<(TokioResolver, Vec<SocketAddr>), String> {
         let (group, mut opts) = if servers.is_empty() {
             let (cfg, opts) = hickory_resolver::system_conf::read_system_conf()

@@ -622,6 +622,31 @@ pub fn local_resources(
     out
 }
 
+/// A node `node`'s store (trust domain `cluster.local`, HBONE port 15008, local-file mode)
+/// holding the workloads and services of `yaml` (`{workloads: [...], services: [...]}`, as the
+/// local file writes them): tables of tests, fuzz targets and benches.
+pub fn store_of_yaml(node: &str, yaml: &str) -> Result<Store, String> {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Mesh {
+        #[serde(default)]
+        workloads: Vec<Workload>,
+        #[serde(default)]
+        services: Vec<Service>,
+    }
+    let m: Mesh = serde_yaml::from_str(yaml).map_err(|e| e.to_string())?;
+    let s = Store::new(StoreConfig {
+        trust_domain: "cluster.local".into(),
+        node_name: node.into(),
+        hbone_port: 15008,
+        node_hbone: HashMap::new(),
+        inpod: false,
+        sync_timeout: None,
+    });
+    s.apply(Delta { upserts: local_resources(&m.workloads, &m.services, &[]), removes: vec![] });
+    Ok(s)
+}
+
 /// The delta that turns what `store` holds into exactly `resources` (a full-state source such as
 /// the local file).
 pub fn replace_delta(store: &Store, resources: Vec<Resource>) -> Delta {

@@ -735,7 +735,6 @@ services:
 
 #[cfg(test)]
 mod choice_tests {
-    use super::super::{local_resources, Delta, StoreConfig};
     use super::*;
     use std::collections::BTreeSet;
 
@@ -785,27 +784,8 @@ services:
 - {name: ew, vips: [10.96.1.14], ports: [{port: 15008}], workloads: [ew]}
 "#;
 
-    #[derive(serde::Deserialize)]
-    struct Mesh {
-        workloads: Vec<Workload>,
-        services: Vec<Service>,
-    }
-
     fn store() -> Store {
-        let s = Store::new(StoreConfig {
-            trust_domain: "cluster.local".into(),
-            node_name: "a".into(),
-            hbone_port: 15008,
-            node_hbone: Default::default(),
-            inpod: false,
-            sync_timeout: None,
-        });
-        let m: Mesh = serde_yaml::from_str(MESH).unwrap();
-        s.apply(Delta {
-            upserts: local_resources(&m.workloads, &m.services, &[]),
-            removes: vec![],
-        });
-        s
+        super::super::store_of_yaml("a", MESH).unwrap()
     }
 
     #[test]
