@@ -295,23 +295,27 @@ impl Dns {
     /// services' hostnames; a service without addresses counts only when it is a Kubernetes
     /// service (a headless one). Returns the service, the name that matched and the alias.
     fn find(&self, client: &Workload, name: &Name) -> Option<(Arc<Service>, Name, Alias)> {
+        // The name as asked is the first alias and its own first candidate: a full name is
+        // found without building the others.
+        if let Some(svc) = self.service_named(client, name) {
+            return Some((svc, name.clone(), Alias { name: name.clone(), stripped: None }));
+        }
         for alias in self.domains.aliases(&client.namespace, name) {
             for candidate in names::wildcards(&alias.name) {
-                let host = names::host_key(&candidate);
-                let Some(svc) = self.state.service_for_host(
-                    &host,
-                    &client.namespace,
-                    self.preferred.as_deref(),
-                ) else {
-                    continue;
-                };
-                if svc.vips.is_empty() && !self.domains.is_kube_service(&host) {
-                    continue;
+                if let Some(svc) = self.service_named(client, &candidate) {
+                    return Some((svc, candidate, alias));
                 }
-                return Some((svc, candidate, alias));
             }
         }
         None
+    }
+
+    /// The service whose hostname is `name` for this client, if it may be answered.
+    fn service_named(&self, client: &Workload, name: &Name) -> Option<Arc<Service>> {
+        let host = names::host_key(name);
+        let svc =
+            self.state.service_for_host(&host, &client.namespace, self.preferred.as_deref())?;
+        (!svc.vips.is_empty() || self.domains.is_kube_service(&host)).then_some(svc)
     }
 
     /// The service's VIPs of the family; without VIPs, one address of the family per endpoint.
