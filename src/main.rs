@@ -160,11 +160,13 @@ struct RunArgs {
     /// [env: INPOD_UDS]
     #[arg(long)]
     inpod_socket: Option<std::path::PathBuf>,
-    /// The DNS proxy: true or false (default: on in in-pod mode, off otherwise). It answers mesh
-    /// hostnames and forwards the rest to MBTUNNEL_DNS_UPSTREAMS (ip:port,...; default the
-    /// servers of /etc/resolv.conf); it listens on DNS_PROXY_ADDR (default 127.0.0.1:15053) in
-    /// each pod's namespace (in-pod mode) or in the proxy's. Short names use CLUSTER_DOMAIN
-    /// (default cluster.local). [env: DNS_CAPTURE, ISTIO_META_DNS_CAPTURE]
+    /// The DNS proxy: true or false (default: on in in-pod mode, off otherwise; also read as
+    /// ISTIO_META_DNS_CAPTURE). It answers mesh hostnames and forwards the rest to
+    /// MBTUNNEL_DNS_UPSTREAMS (ip:port,...; default the servers of /etc/resolv.conf); it listens
+    /// on DNS_PROXY_ADDR or ISTIO_META_DNS_PROXY_ADDR (default 127.0.0.1:15053) in each pod's
+    /// namespace (in-pod mode) or in the proxy's. Short names use CLUSTER_DOMAIN (default
+    /// cluster.local); among services sharing a hostname, PREFERED_SERVICE_NAMESPACE's answers
+    /// when the client's namespace has none. [env: DNS_CAPTURE]
     #[arg(long)]
     dns_capture: Option<bool>,
     /// istiod's xDS endpoint, e.g. https://istiod.istio-system.svc:15012. Set: workloads,
