@@ -404,6 +404,17 @@ fn daemonset_env_names_are_the_binarys() {
         env::POD_NAMESPACE,
         env::INSTANCE_IP,
         env::INPOD_ENABLED,
+        env::INPOD_UDS,
+        env::WORKER_THREADS,
+        env::EBPF_ENABLED,
+        env::EBPF_UPLINKS,
+        env::EBPF_FAIL_CLOSED,
+        env::DNS_CAPTURE,
+        env::META_DNS_CAPTURE,
+        env::DNS_PROXY_ADDR,
+        env::META_DNS_PROXY_ADDR,
+        env::DNS_UPSTREAMS,
+        env::CLUSTER_DOMAIN,
     ];
     let ds = daemonset();
     for e in container(&ds)["env"].as_sequence().unwrap() {
