@@ -282,14 +282,18 @@ pub async fn serve_metrics(ep: Endpoint, registry: Arc<Registry>, ebpf: Option<A
     .await
 }
 
-/// `:15021/healthz/ready`: 200 while `ready()` holds, 503 otherwise.
+/// `:15021/healthz/ready`: 200 while `ready()` holds, 500 otherwise (ztunnel's codes: probes and
+/// tooling built for it read them), 405 to anything but GET.
 pub async fn serve_readiness(ep: Endpoint, ready: Arc<dyn Fn() -> bool + Send + Sync>) {
     serve(ep, move |req, _| {
         let ready = ready();
         async move {
             match req.uri().path() {
+                "/healthz/ready" if req.method() != http::Method::GET => {
+                    text(StatusCode::METHOD_NOT_ALLOWED, "GET only\n")
+                }
                 "/healthz/ready" if ready => text(StatusCode::OK, "ready\n"),
-                "/healthz/ready" => text(StatusCode::SERVICE_UNAVAILABLE, "not ready\n"),
+                "/healthz/ready" => text(StatusCode::INTERNAL_SERVER_ERROR, "not ready\n"),
                 _ => text(StatusCode::NOT_FOUND, "try /healthz/ready\n"),
             }
         }

@@ -284,6 +284,13 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     }
     let inpod_metrics =
         cfg.inpod_enabled.then(|| crate::inpod::InPodMetrics::register(&mut registry));
+    crate::metrics::register_build(
+        &mut registry,
+        std::env::var(crate::config::env::ISTIO_VERSION).ok(),
+    );
+    registry.register_collector(Box::new(crate::net::workers::RuntimeCollector(Arc::downgrade(
+        &ctx.workers,
+    ))));
     let admin_refused = prometheus_client::metrics::counter::Counter::default();
     registry.sub_registry_with_prefix("mbtunnel").register(
         "admin_refused",

@@ -23,6 +23,8 @@ pub mod env {
     /// Read by the multi-buffer core itself too (`mb::BACKEND_ENV`; a test keeps them equal).
     pub const SIGNER_BACKEND: &str = "MBTUNNEL_SIGNER_BACKEND";
     pub const LOG_FORMAT: &str = "MBTUNNEL_LOG_FORMAT";
+    /// ztunnel's name for the log format (`plain` or `json`); `MBTUNNEL_LOG_FORMAT` wins.
+    pub const ISTIO_LOG_FORMAT: &str = "LOG_FORMAT";
     pub const SIGNER_THREADS: &str = "MBTUNNEL_SIGNER_THREADS";
     /// Whole CPUs the proxy may use (the DaemonSet passes `limits.cpu`); sizes the signer.
     pub const CPU_LIMIT: &str = "MBTUNNEL_CPU_LIMIT";
@@ -63,6 +65,8 @@ pub mod env {
     /// Upstream resolvers, `ip:port,...` (default: /etc/resolv.conf's).
     pub const DNS_UPSTREAMS: &str = "MBTUNNEL_DNS_UPSTREAMS";
     pub const CLUSTER_DOMAIN: &str = "CLUSTER_DOMAIN";
+    /// The Istio version `istio_build`'s `tag` reports (istiod's injection sets it).
+    pub const ISTIO_VERSION: &str = "ISTIO_META_ISTIO_VERSION";
     /// ztunnel's spelling.
     pub const PREFERED_SERVICE_NAMESPACE: &str = "PREFERED_SERVICE_NAMESPACE";
     pub const XDS_HEADER_PREFIX: &str = "XDS_HEADER_";
@@ -134,9 +138,10 @@ impl std::str::FromStr for LogFormat {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "text" => Ok(LogFormat::Text),
+            // `plain` is ztunnel's word for it.
+            "text" | "plain" => Ok(LogFormat::Text),
             "json" => Ok(LogFormat::Json),
-            _ => Err(format!("'{s}' is not text or json")),
+            _ => Err(format!("'{s}' is not text (plain) or json")),
         }
     }
 }
@@ -553,9 +558,11 @@ impl Config {
                 ConfigError::Invalid(format!("{}: '{v}' is not an IP address", env::INSTANCE_IP))
             })?);
         }
-        if let Some(v) = get(env::LOG_FORMAT) {
-            self.log_format =
-                v.parse().map_err(|e| ConfigError::Invalid(format!("{}: {e}", env::LOG_FORMAT)))?;
+        for name in [env::ISTIO_LOG_FORMAT, env::LOG_FORMAT] {
+            if let Some(v) = get(name) {
+                self.log_format =
+                    v.parse().map_err(|e| ConfigError::Invalid(format!("{name}: {e}")))?;
+            }
         }
         self.validate()
     }

@@ -14,6 +14,7 @@ pub mod hbone;
 pub mod identity;
 pub mod inpod;
 pub mod logbuf;
+pub mod logfmt;
 pub mod mb;
 pub mod metrics;
 pub mod net;

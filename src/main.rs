@@ -132,7 +132,8 @@ struct RunArgs {
     /// tasks it spawns stay on one of them. [env: MBTUNNEL_WORKER_THREADS]
     #[arg(long)]
     worker_threads: Option<usize>,
-    /// Log format: text or json. [env: MBTUNNEL_LOG_FORMAT]
+    /// Log format: text or json, lines in Istio's shape (ztunnel's LOG_FORMAT, plain or json, is
+    /// read too). `istio_build`'s tag is ISTIO_META_ISTIO_VERSION. [env: MBTUNNEL_LOG_FORMAT]
     #[arg(long)]
     log_format: Option<String>,
     /// Log filter, e.g. info or mbtunnel=debug. [env: RUST_LOG]
@@ -513,17 +514,24 @@ fn init_logging(
         previous(info)
     }));
     let reg = tracing_subscriber::registry().with(filter);
+    // Istio's line shapes (mbtunnel::logfmt), so log pipelines built for ztunnel parse ours.
     match format {
         LogFormat::Json => reg
             .with(
-                tracing_subscriber::fmt::layer().json().with_current_span(true).with_writer(writer),
+                tracing_subscriber::fmt::layer()
+                    .event_format(mbtunnel::logfmt::IstioJson)
+                    .fmt_fields(mbtunnel::logfmt::json_span_fields())
+                    .with_writer(writer),
             )
             .init(),
-        LogFormat::Text => {
-            use std::io::IsTerminal;
-            let ansi = std::io::stderr().is_terminal();
-            reg.with(tracing_subscriber::fmt::layer().with_ansi(ansi).with_writer(writer)).init()
-        }
+        LogFormat::Text => reg
+            .with(
+                tracing_subscriber::fmt::layer()
+                    .event_format(mbtunnel::logfmt::IstioText)
+                    .fmt_fields(mbtunnel::logfmt::IstioText)
+                    .with_writer(writer),
+            )
+            .init(),
     }
     Ok((handle, guard))
 }

@@ -55,6 +55,57 @@ pub struct ConnLabels {
     pub request_protocol: Label,
     pub response_flags: Label,
     pub connection_security_policy: SecurityPolicy,
+    /// `source_region`, `source_zone`, `destination_region`, `destination_zone`: present (each
+    /// `unknown` when empty) once either side's workload is known, as ztunnel emits them.
+    #[prometheus(flatten)]
+    pub locality: MaybeLocality,
+}
+
+/// `istio_tcp_sockets_open`'s one label.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SocketLabels {
+    pub reporter: Reporter,
+}
+
+/// One socket counted in `istio_tcp_sockets_open`, until dropped.
+pub struct SocketOpen(Gauge);
+
+impl Drop for SocketOpen {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// The four locality labels of a connection, or none.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq)]
+pub struct MaybeLocality(pub Option<LocalityLabels>);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LocalityLabels {
+    pub source_region: Label,
+    pub source_zone: Label,
+    pub destination_region: Label,
+    pub destination_zone: Label,
+}
+
+impl EncodeLabelSet for MaybeLocality {
+    fn encode(&self, encoder: &mut LabelSetEncoder) -> Result<(), std::fmt::Error> {
+        match &self.0 {
+            Some(l) => l.encode(encoder),
+            None => Ok(()),
+        }
+    }
+}
+
+impl MaybeLocality {
+    fn get(&mut self) -> &mut LocalityLabels {
+        self.0.get_or_insert(LocalityLabels {
+            source_region: UNKNOWN,
+            source_zone: UNKNOWN,
+            destination_region: UNKNOWN,
+            destination_zone: UNKNOWN,
+        })
+    }
 }
 
 /// A label value: the constant ones (`unknown`, `tcp`, `-`, Istio's defaults) are borrowed, so
@@ -63,7 +114,9 @@ pub type Label = Cow<'static, str>;
 
 const UNKNOWN: Label = Cow::Borrowed("unknown");
 
-/// What the metric labels say of one side of a connection.
+/// What the metric labels say of one side of a connection, as ztunnel derives it from the
+/// workload: its owner name, canonical name and revision (also as app and version), namespace,
+/// cluster and locality, each `unknown` when empty.
 struct Side {
     workload: Label,
     canonical_service: Label,
@@ -72,43 +125,31 @@ struct Side {
     app: Label,
     version: Label,
     cluster: Label,
+    region: Label,
+    zone: Label,
+}
+
+/// `s`, or `unknown` when empty.
+fn or_unknown(s: &str) -> Label {
+    if s.is_empty() {
+        UNKNOWN
+    } else {
+        Cow::Owned(s.to_string())
+    }
 }
 
 impl Side {
-    fn of(w: Option<&Workload>) -> Side {
-        let u = || UNKNOWN;
-        match w {
-            None => Side {
-                workload: u(),
-                canonical_service: u(),
-                canonical_revision: u(),
-                namespace: u(),
-                app: u(),
-                version: u(),
-                cluster: u(),
-            },
-            Some(w) => {
-                // Istio's defaults: the canonical revision is `latest`, the cluster `Kubernetes`.
-                let rev: Label = if w.canonical_revision.is_empty() {
-                    Cow::Borrowed("latest")
-                } else {
-                    Cow::Owned(w.canonical_revision.clone())
-                };
-                let cluster = if w.cluster_id.is_empty() {
-                    Cow::Borrowed("Kubernetes")
-                } else {
-                    Cow::Owned(w.cluster_id.clone())
-                };
-                Side {
-                    workload: Cow::Owned(w.workload_or_name().to_string()),
-                    canonical_service: Cow::Owned(w.canonical_service().to_string()),
-                    canonical_revision: rev.clone(),
-                    namespace: Cow::Owned(w.namespace.clone()),
-                    app: Cow::Owned(w.canonical_service().to_string()),
-                    version: rev,
-                    cluster,
-                }
-            }
+    fn of(w: &Workload) -> Side {
+        Side {
+            workload: or_unknown(&w.workload_name),
+            canonical_service: or_unknown(&w.canonical_name),
+            canonical_revision: or_unknown(&w.canonical_revision),
+            namespace: or_unknown(&w.namespace),
+            app: or_unknown(&w.canonical_name),
+            version: or_unknown(&w.canonical_revision),
+            cluster: or_unknown(&w.cluster_id),
+            region: or_unknown(&w.locality.region),
+            zone: or_unknown(&w.locality.zone),
         }
     }
 }
@@ -141,19 +182,25 @@ impl ConnLabels {
             request_protocol: Cow::Borrowed("tcp"),
             response_flags: Cow::Borrowed("-"),
             connection_security_policy: policy,
+            locality: MaybeLocality::default(),
         }
     }
 
     /// The source: its workload if known, its principal if authenticated (or known locally).
     pub fn with_source(mut self, w: Option<&Workload>, principal: Option<String>) -> ConnLabels {
-        let s = Side::of(w);
-        self.source_workload = s.workload;
-        self.source_canonical_service = s.canonical_service;
-        self.source_canonical_revision = s.canonical_revision;
-        self.source_workload_namespace = s.namespace;
-        self.source_app = s.app;
-        self.source_version = s.version;
-        self.source_cluster = s.cluster;
+        if let Some(w) = w {
+            let s = Side::of(w);
+            self.source_workload = s.workload;
+            self.source_canonical_service = s.canonical_service;
+            self.source_canonical_revision = s.canonical_revision;
+            self.source_workload_namespace = s.namespace;
+            self.source_app = s.app;
+            self.source_version = s.version;
+            self.source_cluster = s.cluster;
+            let l = self.locality.get();
+            l.source_region = s.region;
+            l.source_zone = s.zone;
+        }
         if let Some(p) = principal {
             self.source_principal = Cow::Owned(p);
         }
@@ -165,14 +212,19 @@ impl ConnLabels {
         w: Option<&Workload>,
         principal: Option<String>,
     ) -> ConnLabels {
-        let s = Side::of(w);
-        self.destination_workload = s.workload;
-        self.destination_canonical_service = s.canonical_service;
-        self.destination_canonical_revision = s.canonical_revision;
-        self.destination_workload_namespace = s.namespace;
-        self.destination_app = s.app;
-        self.destination_version = s.version;
-        self.destination_cluster = s.cluster;
+        if let Some(w) = w {
+            let s = Side::of(w);
+            self.destination_workload = s.workload;
+            self.destination_canonical_service = s.canonical_service;
+            self.destination_canonical_revision = s.canonical_revision;
+            self.destination_workload_namespace = s.namespace;
+            self.destination_app = s.app;
+            self.destination_version = s.version;
+            self.destination_cluster = s.cluster;
+            let l = self.locality.get();
+            l.destination_region = s.region;
+            l.destination_zone = s.zone;
+        }
         if let Some(p) = principal {
             self.destination_principal = Cow::Owned(p);
         }
@@ -213,8 +265,8 @@ impl ConnKey {
         &self.labels
     }
 
-    /// The same labels with `response_flags` set: `UF` for a connection that failed (a denied
-    /// one gets `DENY` on its labels before its key is made, see `ConnRecord::denied`).
+    /// The same labels with `response_flags` set: `CONNECT` for a connection that failed,
+    /// `DENY` for one refused by authorization (see `ConnRecord`).
     pub fn with_flags(&self, flags: &'static str) -> ConnKey {
         let mut labels = self.labels.clone();
         labels.response_flags = Cow::Borrowed(flags);
@@ -289,7 +341,11 @@ pub struct ChainCheckLabels {
 pub struct Metrics {
     pub opened: Family<ConnKey, Counter>,
     pub closed: Family<ConnKey, Counter>,
+    /// Connections that ended with a failure flag (`DENY`, `CONNECT`), as ztunnel counts them.
+    pub failed: Family<ConnKey, Counter>,
     pub sent: Family<ConnKey, Counter>,
+    /// Sockets accepted by the traffic listeners and not yet finished, by reporter.
+    pub sockets_open: Family<SocketLabels, Gauge>,
     pub received: Family<ConnKey, Counter>,
     pub handshakes: Family<HandshakeLabels, Counter>,
     pub handshake_seconds: Family<HandshakeLabels, Histogram>,
@@ -322,7 +378,7 @@ pub struct OnDemandDnsLabels {
 
 impl OnDemandDnsLabels {
     pub fn new(src: &Workload, principal: String, hostname: &str) -> OnDemandDnsLabels {
-        let s = Side::of(Some(src));
+        let s = Side::of(src);
         OnDemandDnsLabels {
             source_workload: s.workload,
             source_canonical_service: s.canonical_service,
@@ -385,6 +441,8 @@ impl Metrics {
         let m = Metrics {
             opened: Family::default(),
             closed: Family::default(),
+            failed: Family::default(),
+            sockets_open: Family::default(),
             sent: Family::default(),
             received: Family::default(),
             handshakes: Family::default(),
@@ -402,6 +460,16 @@ impl Metrics {
         let istio = registry.sub_registry_with_prefix("istio");
         istio.register("tcp_connections_opened", "Connections opened", m.opened.clone());
         istio.register("tcp_connections_closed", "Connections closed", m.closed.clone());
+        istio.register(
+            "tcp_connections_failed",
+            "Connections that failed to establish (denied, or the upstream could not be reached)",
+            m.failed.clone(),
+        );
+        istio.register(
+            "tcp_sockets_open",
+            "Sockets accepted by the traffic listeners and still open",
+            m.sockets_open.clone(),
+        );
         istio.register(
             "tcp_sent_bytes",
             "Bytes sent toward the client (destination to client)",
@@ -463,6 +531,13 @@ impl Metrics {
         m
     }
 
+    /// Counts a socket open in `istio_tcp_sockets_open` until the returned guard drops.
+    pub fn socket_opened(&self, reporter: Reporter) -> SocketOpen {
+        let g = self.sockets_open.get_or_create(&SocketLabels { reporter }).clone();
+        g.inc();
+        SocketOpen(g)
+    }
+
     /// The accept-error counter of `listener`.
     pub fn accept_error_counter(&self, listener: &'static str) -> Counter {
         self.accept_errors.get_or_create(&ListenerLabels { listener }).clone()
@@ -484,6 +559,59 @@ impl Metrics {
     }
 }
 
+/// ztunnel's process series, read at each scrape: `process_open_fds`, `process_max_fds`.
+#[derive(Debug, Default)]
+pub struct ProcessCollector;
+
+impl prometheus_client::collector::Collector for ProcessCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let open = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as i64).ok();
+        let max = std::fs::read_to_string("/proc/self/limits").ok().and_then(|l| {
+            let line = l.lines().find(|l| l.starts_with("Max open files"))?;
+            line.split_whitespace().nth(3)?.parse::<i64>().ok()
+        });
+        for (name, help, v) in [
+            ("process_open_fds", "Number of open file descriptors", open),
+            ("process_max_fds", "Maximum number of file descriptors", max),
+        ] {
+            if let Some(v) = v {
+                let g = ConstGauge::new(v);
+                g.encode(encoder.encode_descriptor(name, help, None, g.metric_type())?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `istio_build{component, tag}` = 1, as ztunnel exports it: the component is the role
+/// (`ztunnel`, so fleet dashboards count node proxies whichever implements them), the tag the
+/// Istio version from `ISTIO_META_ISTIO_VERSION` (`unknown` without it). mbtunnel's own version is
+/// in `mbtunnel_build_info`.
+pub fn register_build(registry: &mut Registry, istio_version: Option<String>) {
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    struct BuildLabels {
+        component: &'static str,
+        tag: String,
+    }
+    let f: Family<BuildLabels, Gauge> = Family::default();
+    let tag = istio_version.filter(|v| !v.is_empty()).unwrap_or_else(|| "unknown".into());
+    f.get_or_create(&BuildLabels { component: "ztunnel", tag }).set(1);
+    registry.sub_registry_with_prefix("istio").register("build", "Istio component build info", f);
+    #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+    struct OwnLabels {
+        version: &'static str,
+    }
+    let own: Family<OwnLabels, Gauge> = Family::default();
+    own.get_or_create(&OwnLabels { version: env!("CARGO_PKG_VERSION") }).set(1);
+    registry.sub_registry_with_prefix("mbtunnel").register("build_info", "mbtunnel's version", own);
+    registry.register_collector(Box::new(ProcessCollector));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -503,9 +631,9 @@ mod tests {
         m.opened.get_or_create(&a).inc();
         m.opened.get_or_create(&b).inc();
         // Another flag is another series; so is another principal.
-        let failed = a.with_flags("UF");
+        let failed = a.with_flags("CONNECT");
         assert_ne!(failed, a);
-        assert_eq!(failed.labels().response_flags, "UF");
+        assert_eq!(failed.labels().response_flags, "CONNECT");
         m.opened.get_or_create(&failed).inc();
         let mut other = labels();
         other.source_principal = Cow::Borrowed("spiffe://cluster.local/ns/a/sa/c");
@@ -527,7 +655,75 @@ mod tests {
         assert!(
             ok.contains(r#"source_workload="unknown""#) && ok.contains(r#"request_protocol="tcp""#)
         );
-        assert!(lines.iter().any(|l| l.contains(r#"response_flags="UF""#) && l.ends_with(" 1")));
+        assert!(lines
+            .iter()
+            .any(|l| l.contains(r#"response_flags="CONNECT""#) && l.ends_with(" 1")));
+        // No workload on either side: no locality labels (ztunnel leaves them out).
+        assert!(!ok.contains("source_region"), "{ok}");
+    }
+
+    /// ztunnel's derivation: owner name, canonical name and revision (also as app and version),
+    /// cluster and locality from the workload, each `unknown` when empty; the four locality
+    /// labels last, present once a workload is known.
+    #[test]
+    fn labels_come_from_the_workload_as_ztunnel_derives_them() {
+        let w: Workload = serde_yaml::from_str(
+            "{uid: u, name: pod-1, namespace: ns, ips: [10.0.0.1], node: n, workload_name: web,
+              canonical_name: web-app, canonical_revision: v2, cluster_id: c1,
+              locality: {region: r, zone: z}}",
+        )
+        .unwrap();
+        let bare: Workload =
+            serde_yaml::from_str("{uid: b, name: pod-2, namespace: ns, ips: [10.0.0.2], node: n}")
+                .unwrap();
+        let l = ConnLabels::new(Reporter::source, SecurityPolicy::mutual_tls)
+            .with_source(Some(&w), None)
+            .with_destination(Some(&bare), None);
+        let got = [
+            &l.source_workload,
+            &l.source_canonical_service,
+            &l.source_canonical_revision,
+            &l.source_app,
+            &l.source_version,
+            &l.source_cluster,
+            &l.destination_workload,
+            &l.destination_canonical_service,
+            &l.destination_canonical_revision,
+            &l.destination_app,
+            &l.destination_version,
+            &l.destination_cluster,
+        ];
+        let want = [
+            "web", "web-app", "v2", "web-app", "v2", "c1", "unknown", "unknown", "unknown",
+            "unknown", "unknown", "unknown",
+        ];
+        assert_eq!(got.map(|c| c.as_ref()), want);
+        let loc = l.locality.0.as_ref().expect("locality labels");
+        assert_eq!(
+            [&loc.source_region, &loc.source_zone, &loc.destination_region, &loc.destination_zone]
+                .map(|c| c.as_ref()),
+            ["r", "z", "unknown", "unknown"]
+        );
+        let mut registry = Registry::default();
+        let m = Metrics::new(&mut registry);
+        m.opened.get_or_create(&ConnKey::new(l)).inc();
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let line =
+            text.lines().find(|l| l.starts_with("istio_tcp_connections_opened_total{")).unwrap();
+        let names: Vec<&str> =
+            line.split(['{', ',']).skip(1).map(|kv| kv.split('=').next().unwrap()).collect();
+        assert_eq!(names.len(), 27, "{line}");
+        assert_eq!(
+            names[22..],
+            [
+                "connection_security_policy",
+                "source_region",
+                "source_zone",
+                "destination_region",
+                "destination_zone"
+            ]
+        );
     }
 
     #[test]

@@ -52,7 +52,7 @@ async fn allow_deny_live_and_strict() {
         wait_for(|| {
             metric(
                 &b.metrics_text(),
-                "istio_tcp_connections_opened_total",
+                "istio_tcp_connections_failed_total",
                 &["response_flags=\"DENY\"", "sa/intruder"],
             ) == Some(1.0)
         })
@@ -148,7 +148,7 @@ async fn allow_deny_live_and_strict() {
     assert!(
         metric(
             &bm,
-            "istio_tcp_connections_opened_total",
+            "istio_tcp_connections_failed_total",
             &["response_flags=\"DENY\"", "connection_security_policy=\"unknown\""]
         )
         .unwrap_or(0.0)

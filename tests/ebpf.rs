@@ -64,7 +64,7 @@ fn node_cfg(node: u8, ca: &Path, mode: &str, cni: Option<&Path>) -> Config {
     y += "workloads:\n";
     for (name, n, p) in PODS {
         y += &format!(
-            "  - {{uid: {name}-uid, name: {name}, namespace: demo, service_account: {name}, \
+            "  - {{uid: {name}-uid, name: {name}, workload_name: {name}, namespace: demo, service_account: {name}, \
              ips: [\"10.0.{n}.{p}\", \"fd00:{n}::{p}\"], node: node-{n}, protocol: HBONE}}\n"
         );
     }
@@ -456,7 +456,7 @@ fn every_same_node_path_into_an_enrolled_pod_goes_through_the_proxy() {
     assert!(echoes(connect_in_ns(&node2, Some(probe), to)), "probe refused under STRICT");
     let m2 = c.n2().metrics();
     assert!(
-        metric(&m2, "istio_tcp_connections_opened_total", &["response_flags=\"DENY\""])
+        metric(&m2, "istio_tcp_connections_failed_total", &["response_flags=\"DENY\""])
             >= Some(2.0),
         "{m2}"
     );

@@ -29,6 +29,9 @@ const PODS: &[(&str, &str, &str, u8, u8)] = &[
     ("legacy-uid", "legacy", "legacy", 1, 5),
     ("echo-uid", "echo", "echo", 2, 2),
     ("plain-uid", "plain", "plain", 2, 3),
+    // The workloads of tests/fixtures/ztunnel-metrics (recorded from ztunnel).
+    ("zclient-uid", "client-7d4f", "client", 1, 8),
+    ("zserver-uid", "server-5c9b", "server", 2, 8),
 ];
 
 /// Enrols `pod` as the PODS entry `uid` through the fake CNI.
@@ -488,7 +491,7 @@ fn authorization_policy_in_pod_namespaces() {
     assert_eq!(
         metric(
             &t,
-            "istio_tcp_connections_opened_total",
+            "istio_tcp_connections_failed_total",
             &["response_flags=\"DENY\"", "connection_security_policy=\"unknown\""]
         ),
         Some(1.0),
@@ -505,7 +508,7 @@ fn authorization_policy_in_pod_namespaces() {
     wait("the denial counted on both sides", || {
         metric(
             &c.n2.metrics(),
-            "istio_tcp_connections_opened_total",
+            "istio_tcp_connections_failed_total",
             &["response_flags=\"DENY\"", "mutual_tls"],
         ) == Some(1.0)
             && metric(
@@ -676,4 +679,96 @@ fn a_pod_resolves_mesh_names_service_entries_and_outside_names_through_the_proxy
     assert_eq!(metric(&t, "istio_dns_upstream_requests_total", &udp), Some(2.0), "{t}");
     assert_eq!(metric(&t, "istio_dns_upstream_failures_total", &udp), Some(1.0), "{t}");
     assert!(t.contains("istio_dns_upstream_request_duration_seconds_bucket"), "{t}");
+}
+
+/// The `istio_tcp_*` series of a Prometheus exposition: (name with its labels, value), sorted.
+fn tcp_series(text: &str, families: &[&str]) -> Vec<(String, f64)> {
+    let mut v: Vec<(String, f64)> = text
+        .lines()
+        .filter(|l| families.iter().any(|f| l.starts_with(&format!("{f}{{"))))
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').unwrap();
+            (series.to_string(), value.parse().unwrap())
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// The same connections as scripts/record-ztunnel-metrics.sh sent through two ztunnels (one to
+/// the server pod, one to its service's VIP, one to a port a DENY policy refuses), through two
+/// mbtunnels fed the same mesh: every `istio_tcp_*` series ztunnel exported, on each side, is
+/// exported with the same name, the same label names in the same order, the same label values
+/// and the same value — and no other.
+#[test]
+fn tcp_metrics_are_ztunnels_label_for_label() {
+    use mbtunnel::state::{local_resources, Delta, Service, Workload};
+    require_netns!();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ztunnel-metrics");
+    let c = cluster("zt-metrics");
+    let client = c.sim.add_pod(1, 8);
+    let server = c.sim.add_pod(2, 8);
+    let _peers = echo_in(&server);
+    assert_eq!(enroll(&c.cni1, &client, "zclient-uid", Backend::Iptables), "");
+    assert_eq!(enroll(&c.cni2, &server, "zserver-uid", Backend::Iptables), "");
+    snapshot(&c.cni1);
+    snapshot(&c.cni2);
+    // The fixture's mesh.yaml in mbtunnel's form (its owner names, canonical names, cluster,
+    // locality; the service; the DENY of port 8081).
+    let ws: Vec<Workload> = serde_yaml::from_str(
+        r#"
+- {uid: zclient-uid, name: client-7d4f, namespace: demo, service_account: client, ips: [10.0.1.8],
+   node: node-1, workload_name: client, canonical_name: client-app, canonical_revision: v1,
+   cluster_id: cluster1, locality: {region: region-a, zone: zone-a1}}
+- {uid: zserver-uid, name: server-5c9b, namespace: demo, service_account: server, ips: [10.0.2.8],
+   node: node-2, workload_name: server, cluster_id: cluster1}
+"#,
+    )
+    .unwrap();
+    let svc: Service = serde_yaml::from_str(
+        "{name: server, namespace: demo, vips: [10.96.0.8], ports: [{port: 80, target_port: 8080}],
+          workloads: [zserver-uid]}",
+    )
+    .unwrap();
+    for node in [&c.n1, &c.n2] {
+        let state = &node.r().ctx.state;
+        state.apply(Delta { upserts: local_resources(&ws, std::slice::from_ref(&svc), &[]), removes: vec![] });
+        set_policies(
+            node,
+            "- {name: deny-8081, namespace: demo, scope: NAMESPACE, action: DENY,
+                rules: [{clauses: [{matches: [{destination_ports: [8081]}]}]}]}",
+        );
+    }
+    round_trip(connect_from(&client, sa(server.v4, 8080)).unwrap(), 1000);
+    round_trip(connect_from(&client, sa("10.96.0.8".parse().unwrap(), 80)).unwrap(), 2000);
+    if let Ok(mut s) = connect_from(&client, sa(server.v4, 8081)) {
+        let _ = s.write_all(b"denied");
+        let mut b = Vec::new();
+        let _ = s.read_to_end(&mut b);
+        assert!(b.is_empty(), "the denied connection was answered");
+    }
+    let families = [
+        "istio_tcp_connections_opened_total",
+        "istio_tcp_connections_closed_total",
+        "istio_tcp_connections_failed_total",
+        "istio_tcp_received_bytes_total",
+        "istio_tcp_sent_bytes_total",
+    ];
+    for (node, file) in [(&c.n1, "source.prom"), (&c.n2, "destination.prom")] {
+        let want = tcp_series(&std::fs::read_to_string(fixtures.join(file)).unwrap(), &families);
+        assert!(want.len() >= 6, "{file}: {want:?}");
+        let mut got = Vec::new();
+        // The closes are counted when both legs have finished.
+        for _ in 0..100 {
+            got = tcp_series(&node.metrics(), &families);
+            if got == want {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let show = |v: &[(String, f64)]| {
+            v.iter().map(|(s, n)| format!("{s} {n}")).collect::<Vec<_>>().join("\n")
+        };
+        assert_eq!(show(&got), show(&want), "{file}: mbtunnel (left) vs ztunnel (right)");
+    }
 }

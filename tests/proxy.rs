@@ -271,7 +271,7 @@ async fn server_with_wrong_spiffe_id_is_refused() {
         "{t}"
     );
     assert_eq!(
-        metric(&t, "istio_tcp_connections_closed_total", &["response_flags=\"UF\""]),
+        metric(&t, "istio_tcp_connections_closed_total", &["response_flags=\"CONNECT\""]),
         Some(1.0)
     );
     assert!(m.echo_peers.lock().unwrap().is_empty());

@@ -344,7 +344,8 @@ async fn a_failed_connection_reports_the_bytes_it_moved() {
     // B's upstream leg failed: its record says so.
     let tb = m.b.metrics_text();
     assert!(
-        metric(&tb, "istio_tcp_connections_closed_total", &["response_flags=\"UF\""]).is_some(),
+        metric(&tb, "istio_tcp_connections_closed_total", &["response_flags=\"CONNECT\""])
+            .is_some(),
         "{tb}"
     );
 }

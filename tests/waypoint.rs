@@ -125,10 +125,10 @@ workloads:
   - {{uid: cluster1//v1/Pod/default/client, name: client, namespace: default, service_account: client,
       ips: ["127.0.{NET}.2"], node: node-a, cluster_id: cluster1, workload_name: client,
       canonical_name: client, canonical_revision: v1}}
-  - {{uid: cluster1//v1/Pod/default/server, name: server, namespace: default, service_account: server,
+  - {{uid: cluster1//v1/Pod/default/server, name: server, workload_name: server, namespace: default, service_account: server,
       ips: ["127.0.{NET}.4"], node: node-b,
       waypoint: {{address: "127.0.{NET}.60", hbone_port: 15019}}}}
-  - {{uid: cluster1//v1/Pod/default/waypoint, name: waypoint, namespace: default,
+  - {{uid: cluster1//v1/Pod/default/waypoint, name: waypoint, workload_name: waypoint, namespace: default,
       service_account: waypoint, ips: ["127.0.{NET}.9"], node: node-w}}
 services:
   - {{name: server, namespace: default, vips: ["127.0.{NET}.50"], ports: [{{port: 8080}}],
@@ -303,12 +303,12 @@ metrics_addr: 127.0.0.1:0
 readiness_addr: 127.0.0.1:0
 admin_addr: 127.0.0.1:0
 workloads:
-  - {{uid: client-uid, name: client, namespace: demo, service_account: client, ips: [10.0.1.2], node: node-1}}
-  - {{uid: server-uid, name: server, namespace: demo, service_account: server, ips: [10.0.1.3], node: node-1,
+  - {{uid: client-uid, name: client, workload_name: client, namespace: demo, service_account: client, ips: [10.0.1.2], node: node-1}}
+  - {{uid: server-uid, name: server, workload_name: server, namespace: demo, service_account: server, ips: [10.0.1.3], node: node-1,
       waypoint: {{address: 10.96.0.9, hbone_port: 15008}}}}
-  - {{uid: legacy-uid, name: legacy, namespace: demo, service_account: legacy, ips: [10.0.1.4], node: node-1,
+  - {{uid: legacy-uid, name: legacy, workload_name: legacy, namespace: demo, service_account: legacy, ips: [10.0.1.4], node: node-1,
       protocol: TCP}}
-  - {{uid: waypoint-uid, name: waypoint, namespace: demo, service_account: waypoint, ips: [10.0.2.2],
+  - {{uid: waypoint-uid, name: waypoint, workload_name: waypoint, namespace: demo, service_account: waypoint, ips: [10.0.2.2],
       node: node-2, application_tunnel: {{protocol: PROXY, port: 15088}}}}
 services:
   - {{name: server, namespace: demo, vips: [10.96.0.2], ports: [{{port: 80, target_port: 8080}}],
@@ -487,7 +487,7 @@ fn a_waypoint_in_the_mesh_gets_its_traffic_through_its_application_tunnel_and_se
     wait("the bypass counted as denied", || {
         metric(
             &n1.metrics(),
-            "istio_tcp_connections_opened_total",
+            "istio_tcp_connections_failed_total",
             &["response_flags=\"DENY\"", "destination_workload=\"server\""],
         ) == Some(1.0)
     });
@@ -519,11 +519,11 @@ metrics_addr: "127.0.{GW_NET}.{me}:15020"
 readiness_addr: "127.0.{GW_NET}.{me}:15021"
 admin_addr: "127.0.{GW_NET}.{me}:15000"
 workloads:
-  - {{uid: client-1, name: client, namespace: demo, service_account: client, ips: ["127.0.{GW_NET}.2"],
+  - {{uid: client-1, name: client, workload_name: client, namespace: demo, service_account: client, ips: ["127.0.{GW_NET}.2"],
       node: node-a}}
-  - {{uid: echo-1, name: echo, namespace: demo, service_account: echo, ips: {echo_ips}, node: node-b,
+  - {{uid: echo-1, name: echo, workload_name: echo, namespace: demo, service_account: echo, ips: {echo_ips}, node: node-b,
       network: net2, network_gateway: {{address: "127.0.{GW_NET}.70", hbone_port: 15009}}}}
-  - {{uid: ew-1, name: eastwest, namespace: istio-system, service_account: eastwest,
+  - {{uid: ew-1, name: eastwest, workload_name: eastwest, namespace: istio-system, service_account: eastwest,
       ips: ["127.0.{GW_NET}.70"], node: node-g, network: net2}}
 services:
   - {{name: echo, namespace: demo, vips: ["127.0.{GW_NET}.50"], ports: [{{port: 8080}}], workloads: [echo-1]}}

@@ -102,12 +102,14 @@ async fn two_proxies_from_the_control_plane_alone() {
         "reporter=\"source\"",
         "source_workload_namespace=\"demo\"",
         "source_canonical_service=\"client\"",
-        "source_canonical_revision=\"latest\"",
+        // Empty in the xDS workload: `unknown`, as ztunnel reports it.
+        "source_canonical_revision=\"unknown\"",
         "destination_service=\"echo.demo.svc.cluster.local\"",
         "destination_service_namespace=\"demo\"",
         "destination_service_name=\"echo\"",
         "destination_canonical_service=\"echo\"",
-        "destination_cluster=\"Kubernetes\"",
+        "destination_cluster=\"unknown\"",
+        "source_workload=\"client\"",
         "request_protocol=\"tcp\"",
     ];
     assert!(metric(&am, "istio_tcp_connections_opened_total", &want).unwrap_or(0.0) >= 1.0, "{am}");

@@ -35,6 +35,10 @@ pub struct InPodMetrics {
     pub pending: Gauge,
     pub requests: Family<ZdsLabels, Counter>,
     pub connections: Counter,
+    /// Pods whose listeners were opened (ztunnel's `istio_proxies_started_total`).
+    pub started: Counter,
+    /// Pods whose listeners were closed (ztunnel's `istio_proxies_stopped_total`).
+    pub stopped: Counter,
 }
 
 impl InPodMetrics {
@@ -56,6 +60,30 @@ impl InPodMetrics {
             "zds_connections",
             "Connections made to the CNI's ZDS socket",
             m.connections.clone(),
+        );
+        // ztunnel's workload-manager series, under its names. A pod here is "active" once its
+        // listeners are open and "pending" while its workload is not in the mesh state (ztunnel
+        // counts the pods it has not been able to start yet).
+        let istio = registry.sub_registry_with_prefix("istio");
+        istio.register(
+            "active_proxy_count",
+            "The total number current workloads with active proxies (unstable)",
+            m.pods.clone(),
+        );
+        istio.register(
+            "pending_proxy_count",
+            "The total number current workloads with pending proxies (unstable)",
+            m.pending.clone(),
+        );
+        istio.register(
+            "proxies_started",
+            "The total number of proxies that were started (unstable)",
+            m.started.clone(),
+        );
+        istio.register(
+            "proxies_stopped",
+            "The total number of proxies that were stopped (unstable)",
+            m.stopped.clone(),
         );
         m
     }

@@ -237,6 +237,7 @@ impl InPod {
         let mut pods = self.pods.lock().unwrap();
         pods.insert(uid.into(), Pod { netns, ips, listeners });
         self.metrics.pods.set(pods.len() as i64);
+        self.metrics.started.inc();
         drop(pods);
         self.count_pending();
         Ok(())
@@ -283,6 +284,7 @@ impl InPod {
             pod
         };
         let Some(pod) = pod else { return false };
+        self.metrics.stopped.inc();
         self.ctx.state.set_enrolled(uid, false);
         for t in &pod.listeners {
             t.abort();

@@ -37,6 +37,89 @@ pub struct Workers {
     stops: Mutex<Vec<oneshot::Sender<()>>>,
 }
 
+/// ztunnel's runtime series over the worker runtimes, read at each scrape: `tokio_num_workers`,
+/// `tokio_global_queue_depth`, `tokio_num_alive_tasks` (summed over the workers) and, per worker
+/// (`worker="i"`), `tokio_worker_total_busy_duration_seconds_total`,
+/// `tokio_worker_park_count_total`, `tokio_worker_park_unpark_count_total`. Each worker here is a
+/// runtime of one thread, so worker `i` is runtime `i`'s only worker.
+#[derive(Debug)]
+pub struct RuntimeCollector(pub std::sync::Weak<Workers>);
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workers").field("threads", &self.handles.len()).finish()
+    }
+}
+
+impl prometheus_client::collector::Collector for RuntimeCollector {
+    fn encode(
+        &self,
+        mut enc: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let Some(w) = self.0.upgrade() else { return Ok(()) };
+        let ms: Vec<_> = w.handles.iter().map(|h| h.metrics()).collect();
+        let sum = |f: &dyn Fn(&tokio::runtime::RuntimeMetrics) -> usize| {
+            ms.iter().map(f).sum::<usize>() as i64
+        };
+        for (name, help, v) in [
+            (
+                "tokio_num_workers",
+                "the number of worker threads used by the runtime",
+                sum(&|m| m.num_workers()),
+            ),
+            (
+                "tokio_global_queue_depth",
+                "the number of tasks currently scheduled in the runtime's global queue",
+                sum(&|m| m.global_queue_depth()),
+            ),
+            (
+                "tokio_num_alive_tasks",
+                "the number of alive tasks in the runtime",
+                sum(&|m| m.num_alive_tasks()),
+            ),
+        ] {
+            let g = ConstGauge::new(v);
+            g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)?;
+        }
+        type PerWorker = fn(&tokio::runtime::RuntimeMetrics) -> f64;
+        let per_worker: [(&str, &str, PerWorker); 3] = [
+            (
+                "tokio_worker_total_busy_duration_seconds",
+                "the amount of time worker threads have been busy",
+                |m| m.worker_total_busy_duration(0).as_secs_f64(),
+            ),
+            (
+                "tokio_worker_park_count",
+                "the total number of times the given worker thread has parked",
+                |m| m.worker_park_count(0) as f64,
+            ),
+            (
+                "tokio_worker_park_unpark_count",
+                "the total number of times the given worker thread has parked and unparked",
+                |m| m.worker_park_unpark_count(0) as f64,
+            ),
+        ];
+        for (name, help, f) in per_worker {
+            let mut family = enc.encode_descriptor(
+                name,
+                help,
+                None,
+                prometheus_client::metrics::MetricType::Counter,
+            )?;
+            for (i, m) in ms.iter().enumerate() {
+                let worker = i.to_string();
+                let labels = [("worker", worker.as_str())];
+                let c = ConstCounter::new(f(m));
+                c.encode(family.encode_family(&labels)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Workers {
     /// Starts `n` worker threads (`mbt-worker-N`); `n` = 0 starts none, and connections then run
     /// on the runtime that accepted them.

@@ -14,7 +14,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{drain_cut, relay, reset_on_close, ConnRecord, Copied, Ctx, Leg};
+use super::{drain_cut, relay, reset_on_close, ConnRecord, Copied, Ctx, Ends, Leg};
 use crate::hbone::{server_builder, ConnectRefusal, H2Stream};
 use crate::identity::Identity;
 use crate::metrics::{ConnLabels, Reporter, SecurityPolicy};
@@ -257,6 +257,7 @@ async fn accept_connect(
     };
     let (target, dst_wl) = (accepted.authz_dst, accepted.workload.clone());
     let src_wl = ctx.state.workload_by_ip(peer.ip());
+    let ends = || Ends::new(peer, reached).hbone(target).workloads(src_wl.as_ref(), Some(&dst_wl));
     let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::mutual_tls)
         .with_source(src_wl.as_deref(), Some(peer_id.to_string()))
         .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
@@ -265,7 +266,7 @@ async fn accept_connect(
     let tracked = ctx.conns.register(&dst_wl.uid, Some(peer_id), peer.ip(), target);
     // Authorization, before the app is dialled: a denial answers 401 on this stream only.
     if let Err(reason) = authorize(ctx, &dst_wl, Some(peer_id), peer.ip(), target) {
-        ConnRecord::denied(ctx, peer, target, labels, &reason);
+        ConnRecord::denied(ctx, ends(), labels, &reason);
         answer(StatusCode::UNAUTHORIZED);
         return None;
     }
@@ -293,7 +294,7 @@ async fn accept_connect(
             Dialled::Revoked(reason) => {
                 // Denied by a policy that arrived while the app was being dialled: the dial is
                 // abandoned, the app never sees the connection.
-                ConnRecord::denied(ctx, peer, target, labels, &reason);
+                ConnRecord::denied(ctx, ends(), labels, &reason);
                 answer(StatusCode::UNAUTHORIZED);
                 return None;
             }
@@ -309,7 +310,7 @@ async fn accept_connect(
             return None;
         }
     }
-    let rec = ConnRecord::open(ctx, peer, target, labels);
+    let rec = ConnRecord::open(ctx, ends(), labels);
     let send = match respond.send_response(status(StatusCode::OK), false) {
         Ok(s) => s,
         Err(e) => {
@@ -452,14 +453,16 @@ pub async fn handle_plaintext(
                 return None;
             };
             // No identity: the source workload is only what its address says.
+            let src_wl = ctx.state.workload_by_ip(peer.ip());
+            let ends = || Ends::new(peer, dst).workloads(src_wl.as_ref(), Some(&dst_wl));
             let labels = ConnLabels::new(Reporter::destination, SecurityPolicy::unknown)
-                .with_source(ctx.state.workload_by_ip(peer.ip()).as_deref(), None)
+                .with_source(src_wl.as_deref(), None)
                 .with_destination(Some(&dst_wl), Some(ctx.state.identity_of(&dst_wl).to_string()));
             // Registered before it is decided (see `accept_connect`).
             let tracked = ctx.conns.register(&dst_wl.uid, None, peer.ip(), dst);
             // No verified identity: only address and port fields can allow it.
             if let Err(reason) = authorize(&ctx, &dst_wl, None, peer.ip(), dst) {
-                ConnRecord::denied(&ctx, peer, dst, labels, &reason);
+                ConnRecord::denied(&ctx, ends(), labels, &reason);
                 // Reset, not FIN: the client must not mistake a refusal for an empty answer.
                 reset_on_close(&client);
                 return None;
@@ -468,16 +471,16 @@ pub async fn handle_plaintext(
             match dial_unless_revoked(dst, ctx.dial_opts(source, netns.as_deref()), &tracked).await
             {
                 Dialled::Up(up) => {
-                    Some((client, up, tracked, ConnRecord::open(&ctx, peer, dst, labels)))
+                    Some((client, up, tracked, ConnRecord::open(&ctx, ends(), labels)))
                 }
                 Dialled::Failed(e) => {
                     reset_on_close(&client);
-                    let rec = ConnRecord::open(&ctx, peer, dst, labels);
+                    let rec = ConnRecord::open(&ctx, ends(), labels);
                     rec.close(0, 0, Err(format!("connect {dst}: {e}")));
                     None
                 }
                 Dialled::Revoked(reason) => {
-                    ConnRecord::denied(&ctx, peer, dst, labels, &reason);
+                    ConnRecord::denied(&ctx, ends(), labels, &reason);
                     reset_on_close(&client);
                     None
                 }

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tokio::net::TcpStream;
 use tracing::Instrument;
 
-use super::{drain_cut, relay, reset_on_close, ConnRecord, Ctx};
+use super::{drain_cut, relay, reset_on_close, ConnRecord, Ctx, Ends};
 use crate::hbone::HboneError;
 use crate::hbone::{ConnectHeaders, PoolKey, Tunnel};
 use crate::metrics::{ConnLabels, OnDemandDnsLabels, Reporter, SecurityPolicy};
@@ -99,7 +99,8 @@ pub async fn handle(
                 src_wl.as_deref(),
                 src_wl.as_ref().map(|w| ctx.state.identity_of(w).to_string()),
             );
-            let rec = ConnRecord::open(&ctx, peer, dst, labels);
+            let ends = Ends::new(peer, dst).workloads(src_wl.as_ref(), None);
+            let rec = ConnRecord::open(&ctx, ends, labels);
             return match dial(dst, ctx.dial_opts(None, netns.as_deref())).await {
                 Ok(up) => Some(Ready::Direct(client, up, rec)),
                 Err(e) => {
@@ -151,7 +152,12 @@ pub async fn handle(
             .with_source(Some(&src_wl), Some(src_id.to_string()))
             .with_destination(Some(&upstream.workload), Some(dst_id.to_string()))
             .with_service(upstream.service.as_deref());
-        let rec = ConnRecord::open(&ctx, peer, upstream.target, labels);
+        let ends = Ends::new(peer, hop).workloads(Some(&src_wl), Some(&upstream.workload));
+        let ends = match upstream.protocol {
+            Protocol::Hbone => ends.hbone(upstream.target),
+            Protocol::Tcp => ends,
+        };
+        let rec = ConnRecord::open(&ctx, ends, labels);
         match upstream.protocol {
             Protocol::Tcp => {
                 match dial(upstream.target, ctx.dial_opts(None, netns.as_deref())).await {

@@ -95,6 +95,24 @@ pub struct XdsMetrics {
     pub policies_failed_closed: Gauge,
     /// Workloads held at an older version, denied to all, because their newest was refused.
     pub workloads_failed_closed: Gauge,
+    /// ztunnel's `istio_xds_connection_terminations_total{reason}`.
+    pub terminations: Family<TerminationLabels, Counter>,
+    /// ztunnel's `istio_xds_message_total{url}`: responses received, by type URL.
+    pub message_count: Family<UrlLabels, Counter>,
+    /// ztunnel's `istio_xds_message_bytes_total{url}`: resource bytes received, by type URL.
+    pub message_bytes: Family<UrlLabels, Counter>,
+}
+
+/// Why an xDS stream ended, in ztunnel's words: `ConnectionError` (it never opened), `Error`,
+/// `Reconnect` (the server went away to be reconnected to), `Complete` (ended cleanly).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TerminationLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UrlLabels {
+    pub url: String,
 }
 
 impl XdsMetrics {
@@ -126,7 +144,34 @@ impl XdsMetrics {
              connection to them is denied until a good version arrives",
             m.workloads_failed_closed.clone(),
         );
+        // ztunnel's series, under its names, for dashboards built for it.
+        let istio = registry.sub_registry_with_prefix("istio");
+        istio.register(
+            "xds_connection_terminations",
+            "The total number of completed connections to xds server (unstable)",
+            m.terminations.clone(),
+        );
+        istio.register(
+            "xds_message",
+            "Total number of messages received (unstable)",
+            m.message_count.clone(),
+        );
+        istio.register_with_unit(
+            "xds_message",
+            "Total number of bytes received (unstable)",
+            prometheus_client::registry::Unit::Bytes,
+            m.message_bytes.clone(),
+        );
         m
+    }
+
+    /// Counts one response as ztunnel does: the message, and its resources' bytes.
+    fn received(&self, resp: &DeltaDiscoveryResponse) {
+        let url = UrlLabels { url: resp.type_url.clone() };
+        self.message_count.get_or_create(&url).inc();
+        let bytes: usize =
+            resp.resources.iter().filter_map(|r| r.resource.as_ref()).map(|a| a.value.len()).sum();
+        self.message_bytes.get_or_create(&url).inc_by(bytes as u64);
     }
 }
 
@@ -220,6 +265,13 @@ impl Client {
             }
             first = false;
             let (got_response, err) = self.stream_once(channel.clone()).await;
+            let reason = match &err {
+                None => "Complete",
+                Some(_) if !self.status.lock().unwrap().connected => "ConnectionError",
+                Some(e) if e.contains("received prior goaway") => "Reconnect",
+                Some(_) => "Error",
+            };
+            self.metrics.terminations.get_or_create(&TerminationLabels { reason }).inc();
             self.metrics.connection_state.set(0);
             self.status.lock().unwrap().connected = false;
             if got_response {
@@ -287,6 +339,7 @@ impl Client {
             match stream.message().await {
                 Ok(Some(resp)) => {
                     got = true;
+                    self.metrics.received(&resp);
                     let reply = self.handle(resp);
                     if tx.send(reply).await.is_err() {
                         return (got, Some("request stream closed".into()));

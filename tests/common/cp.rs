@@ -419,6 +419,7 @@ pub fn workload(
         service_account: sa.into(),
         node: node.into(),
         canonical_name: name.into(),
+        workload_name: name.into(),
         services: services
             .iter()
             .map(|(s, p)| {

@@ -49,9 +49,9 @@ metrics_addr: "127.0.{net}.{me}:15020"
 readiness_addr: "127.0.{net}.{me}:15021"
 admin_addr: "127.0.{net}.{me}:15000"
 workloads:
-  - {{uid: client-1, name: client, namespace: demo, service_account: client, ips: ["127.0.{net}.2"], node: node-a}}
-  - {{uid: echo-1, name: echo, namespace: demo, service_account: {echo_sa}, ips: ["127.0.{net}.3"], node: node-b}}
-  - {{uid: other-1, name: other, namespace: demo, service_account: other, ips: ["127.0.{net}.4"], node: node-b}}
+  - {{uid: client-1, name: client, workload_name: client, namespace: demo, service_account: client, ips: ["127.0.{net}.2"], node: node-a}}
+  - {{uid: echo-1, name: echo, workload_name: echo, namespace: demo, service_account: {echo_sa}, ips: ["127.0.{net}.3"], node: node-b}}
+  - {{uid: other-1, name: other, workload_name: other, namespace: demo, service_account: other, ips: ["127.0.{net}.4"], node: node-b}}
 services:
   - {{name: echo, namespace: demo, vips: ["127.0.{net}.50"], ports: [{{port: 8080}}], workloads: [echo-1]}}
 "#,
