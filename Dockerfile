@@ -13,6 +13,10 @@ WORKDIR /src
 COPY scripts/deps.sh scripts/deps.sh
 RUN ./scripts/deps.sh && rm -rf /var/lib/apt/lists/*
 COPY . .
+# The revision the image is built from, shown in /config_dump's `version.gitRevision`
+# (`make image` passes `git rev-parse HEAD`).
+ARG MBTUNNEL_GIT_REVISION=unknown
+ENV MBTUNNEL_GIT_REVISION=${MBTUNNEL_GIT_REVISION}
 # Cargo's registry and target directory are BuildKit caches, so a rebuild after a source change
 # does not rebuild BoringSSL. The binary is copied out of the cache; its debug info is stripped
 # (symbol names stay, so backtraces still name functions).

@@ -46,7 +46,7 @@ clean:
 # Container image (needs a Docker engine; none runs on our build machines).
 IMAGE ?= mbtunnel:0.1.0
 image:
-	docker build -t $(IMAGE) .
+	docker build --build-arg MBTUNNEL_GIT_REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) -t $(IMAGE) .
 
 # deploy/ against the Kubernetes schemas (offline) and the binary; tests/deploy.rs checks ports,
 # probes and the ConfigMap's config against the config parser.

@@ -9,6 +9,25 @@ use std::process::Command;
 fn main() {
     protos();
     ebpf();
+    build_info();
+}
+
+/// The compiler and profile this binary was built with, for the config dump's `version`
+/// (ztunnel's build info). The git revision comes from `MBTUNNEL_GIT_REVISION` when the builder
+/// sets it (the Dockerfile does); otherwise the dump says "unknown".
+fn build_info() {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let version = Command::new(rustc)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|v| v.split_whitespace().nth(1).map(str::to_string))
+        .unwrap_or_else(|| "unknown".into());
+    println!("cargo:rustc-env=MBTUNNEL_RUSTC_VERSION={version}");
+    let profile = std::env::var("PROFILE").unwrap_or_else(|_| "unknown".into());
+    println!("cargo:rustc-env=MBTUNNEL_BUILD_PROFILE={profile}");
+    println!("cargo:rerun-if-env-changed=MBTUNNEL_GIT_REVISION");
 }
 
 /// Istio's xDS, workload, authorization and CA protos (proto/) → prost messages and tonic

@@ -77,8 +77,8 @@ MA=$(get http://127.0.0.2:15020/metrics); MB=$(get http://127.0.0.3:15020/metric
 echo "client result:      ${RESULT:-failed}"
 echo "echo server saw:    $(head -n1 "$WORK/echo.log") (source address as seen by the app)"
 echo "identities:"
-get http://127.0.0.2:15000/config_dump | grep -o '"identity": "[^"]*"' | sed 's/^/  node A holds /'
-get http://127.0.0.3:15000/config_dump | grep -o '"identity": "[^"]*"' | sed 's/^/  node B holds /'
+get http://127.0.0.2:15000/config_dump | grep -o '"identity": "[^"]*"' | sort -u | sed 's/^/  node A holds /'
+get http://127.0.0.3:15000/config_dump | grep -o '"identity": "[^"]*"' | sort -u | sed 's/^/  node B holds /'
 echo "signer (mbtunnel doctor):"
 "$BIN" doctor | sed 's/^/  /'
 echo "-- proxy A (reporter=source), the 1 MiB client --"

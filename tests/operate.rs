@@ -4,7 +4,10 @@
 //! - the access line of an inbound connection has ztunnel's fields, in ztunnel's order, with the
 //!   same values where they do not depend on addresses or time, in the plain and JSON formats;
 //! - every metric family ztunnel exports is exported with the same type;
-//! - readiness answers as ztunnel's (500 while not ready, 405 to anything but GET).
+//! - readiness answers as ztunnel's (500 while not ready, 405 to anything but GET);
+//! - `/config_dump` has ztunnel's shape: the same top-level keys, and for each kind of object
+//!   (workload, service, endpoint, policy, certificate, version, local config) the same keys,
+//!   so `istioctl ztunnel-config` reads it.
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -41,6 +44,8 @@ services:
 policies:
   - {name: deny-intruder, namespace: demo, scope: NAMESPACE, action: DENY,
      rules: [{clauses: [{matches: [{source_ips: [127.0.63.5/32]}]}]}]}
+  - {name: deny-8081, namespace: demo, scope: NAMESPACE, action: DENY,
+     rules: [{clauses: [{matches: [{destination_ports: [8081]}]}]}]}
 "#;
 
 struct Proc(Child, PathBuf);
@@ -162,6 +167,9 @@ const STABLE: &[&str] = &[
     "bytes_recv",
 ];
 
+/// The tests here share the pair's addresses: one runs at a time.
+static ONE_PAIR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn run_pair(format: &str) -> (Proc, Proc, PathBuf) {
     let dir = std::env::temp_dir().join(format!("mbt-operate-{format}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -187,6 +195,7 @@ fn access_lines(p: &Proc, want: usize) -> Vec<String> {
 
 #[test]
 fn access_lines_metric_families_and_readiness_are_ztunnels() {
+    let _one = ONE_PAIR.lock().unwrap_or_else(|e| e.into_inner());
     echo("127.0.63.3:8080");
     let want_plain = std::fs::read_to_string(fixtures().join("access.log")).unwrap();
     let want_json = std::fs::read_to_string(fixtures().join("access.json")).unwrap();
@@ -286,5 +295,126 @@ fn access_lines_metric_families_and_readiness_are_ztunnels() {
     let post = http("127.0.63.4:15021", "POST", "/healthz/ready");
     assert!(post.starts_with("HTTP/1.1 405"), "{post}");
     drop(c);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The keys of a JSON object, sorted.
+fn keys(v: &serde_json::Value) -> Vec<String> {
+    let mut k: Vec<String> = v.as_object().map(|m| m.keys().cloned().collect()).unwrap_or_default();
+    k.sort();
+    k
+}
+
+fn by<'a>(list: &'a serde_json::Value, key: &str, value: &str) -> &'a serde_json::Value {
+    list.as_array()
+        .and_then(|l| l.iter().find(|x| x[key] == value))
+        .unwrap_or_else(|| panic!("no {key}={value} in {list:#}"))
+}
+
+#[test]
+fn config_dump_has_ztunnels_shape() {
+    let zt: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("config_dump.json")).unwrap(),
+    )
+    .unwrap();
+    let _one = ONE_PAIR.lock().unwrap_or_else(|e| e.into_inner());
+    let (a, b, dir) = run_pair("plain");
+    let answer = http("127.0.63.2:15000", "GET", "/config_dump");
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200") && head.contains("application/json"), "{head}");
+    // Chunked or not: the JSON object is between the first '{' and the last '}'.
+    let body = &body[body.find('{').unwrap()..=body.rfind('}').unwrap()];
+    let ours: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert!(!body.contains("PRIVATE KEY"), "a key in the dump");
+
+    // Top level: ztunnel's keys, plus one for mbtunnel's own.
+    let mut want = keys(&zt);
+    want.push("mbtunnel".into());
+    want.sort();
+    assert_eq!(keys(&ours), want);
+
+    // Workloads: the client's keys and the values that do not depend on the topology.
+    let (w, zw) =
+        (by(&ours["workloads"], "uid", "zclient-uid"), by(&zt["workloads"], "uid", "zclient-uid"));
+    assert_eq!(keys(w), keys(zw), "ours: {w:#}\nztunnel: {zw:#}");
+    for k in [
+        "canonicalName",
+        "canonicalRevision",
+        "capacity",
+        "clusterId",
+        "locality",
+        "name",
+        "namespace",
+        "networkMode",
+        "protocol",
+        "serviceAccount",
+        "status",
+        "trustDomain",
+        "workloadName",
+        "workloadType",
+    ] {
+        assert_eq!(w[k], zw[k], "workload {k}");
+    }
+    // The server backs a service: from xDS ztunnel lists it under `services` (its local-file
+    // mode, which recorded the fixture, does not); the rest is the same.
+    let (w, zw) =
+        (by(&ours["workloads"], "uid", "zserver-uid"), by(&zt["workloads"], "uid", "zserver-uid"));
+    let mut k = keys(w);
+    assert_eq!(w["services"], serde_json::json!(["demo/server.demo.svc.cluster.local"]));
+    k.retain(|k| k != "services");
+    assert_eq!(k, keys(zw), "ours: {w:#}\nztunnel: {zw:#}");
+
+    // Services and their endpoints.
+    let (s, zs) = (&ours["services"][0], &zt["services"][0]);
+    assert_eq!(keys(s), keys(zs), "ours: {s:#}\nztunnel: {zs:#}");
+    for k in ["name", "namespace", "hostname", "canonical", "visibility", "subjectAltNames"] {
+        assert_eq!(s[k], zs[k], "service {k}");
+    }
+    assert_eq!(s["vips"], serde_json::json!(["/127.0.63.50"]));
+    assert_eq!(s["ports"], serde_json::json!({"8080": 8080}));
+    let (e, ze) = (&s["endpoints"]["zserver-uid"], &zs["endpoints"]["zserver-uid"]);
+    assert_eq!(keys(e), keys(ze), "ours: {e:#}\nztunnel: {ze:#}");
+    assert_eq!((&e["workloadUid"], &e["status"]), (&ze["workloadUid"], &ze["status"]));
+    assert_eq!(ours["stagedServices"], zt["stagedServices"]);
+
+    // The policy both were given, value for value.
+    assert_eq!(
+        by(&ours["policies"], "name", "deny-8081"),
+        by(&zt["policies"], "name", "deny-8081")
+    );
+
+    // Certificates: ztunnel's keys and value forms (base64 of the PEM, decimal serial, RFC 3339
+    // to the second).
+    let c = by(&ours["certificates"], "identity", "spiffe://cluster.local/ns/demo/sa/client");
+    let zc = &zt["certificates"][0];
+    assert_eq!(keys(c), keys(zc));
+    assert_eq!(c["state"], "Available");
+    for (list, zlist) in [("certChain", "certChain"), ("rootCerts", "rootCerts")] {
+        let (x, zx) = (&c[list][0], &zc[zlist][0]);
+        assert_eq!(keys(x), keys(zx), "{list}");
+        let pem = boring::base64::decode_block(x["pem"].as_str().unwrap()).unwrap();
+        assert!(String::from_utf8(pem).unwrap().starts_with("-----BEGIN CERTIFICATE-----"));
+        let serial = x["serialNumber"].as_str().unwrap();
+        assert!(!serial.is_empty() && serial.bytes().all(|b| b.is_ascii_digit()), "{serial}");
+        for t in ["validFrom", "expirationTime"] {
+            let t = x[t].as_str().unwrap();
+            assert!(t.len() == 20 && t.ends_with('Z') && &t[10..11] == "T", "{t}");
+        }
+    }
+
+    // Build info and the local file's view.
+    assert_eq!(keys(&ours["version"]), keys(&zt["version"]));
+    assert_eq!(keys(&ours["staticConfig"]), keys(&zt["staticConfig"]));
+    let sw = by(&ours["staticConfig"]["workloads"], "uid", "zclient-uid");
+    let zsw = by(&zt["staticConfig"]["workloads"], "uid", "zclient-uid");
+    assert_eq!(keys(sw), keys(zsw), "ours: {sw:#}\nztunnel: {zsw:#}");
+    // `config`: only ztunnel's keys (the settings the two share); mbtunnel's own are elsewhere.
+    let zkeys = keys(&zt["config"]);
+    for k in keys(&ours["config"]) {
+        assert!(zkeys.contains(&k), "config.{k} is not a key of ztunnel's config");
+    }
+    assert_eq!(ours["config"]["adminAddr"], serde_json::json!({"SocketAddr": "127.0.63.2:15000"}));
+    assert!(ours["mbtunnel"]["signer"]["backend"].is_string());
+    drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
 }

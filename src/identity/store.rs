@@ -375,6 +375,16 @@ impl CertStore {
         v
     }
 
+    /// Every identity held with its slot (ready, pending, failed), sorted by identity: the
+    /// certificates section of the config dump.
+    pub fn slots(&self) -> Vec<(Identity, Slot)> {
+        let entries = self.entries.lock().unwrap();
+        let mut v: Vec<_> =
+            entries.iter().map(|(id, e)| (id.clone(), e.tx.borrow().clone())).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
     /// All current certificates.
     pub fn snapshot(&self) -> Vec<Arc<CertBundle>> {
         let entries = self.entries.lock().unwrap();

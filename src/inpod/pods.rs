@@ -36,6 +36,9 @@ pub enum PodError {
 }
 
 struct Pod {
+    /// Who it is: the name the CNI or the mesh state gave, and its identity.
+    name: String,
+    id: Identity,
     netns: Arc<Netns>,
     ips: Vec<IpAddr>,
     listeners: Vec<tokio::task::JoinHandle<()>>,
@@ -59,6 +62,26 @@ impl InPod {
         let mut v: Vec<_> = self.pods.lock().unwrap().keys().cloned().collect();
         v.sort();
         v
+    }
+
+    /// ztunnel's `workloadState` (config dump): each held pod by uid with its state and who it
+    /// is. A held pod's listeners are open, so its state is `Up` (ztunnel's `Pending` is a proxy
+    /// not started yet; a pod waiting for its workload is listed by `pending`).
+    pub fn workload_state(&self) -> serde_json::Value {
+        let pods = self.pods.lock().unwrap();
+        let m: serde_json::Map<String, serde_json::Value> = pods
+            .iter()
+            .map(|(uid, p)| {
+                let info = serde_json::json!({
+                    "name": p.name,
+                    "namespace": p.id.namespace,
+                    "trustDomain": p.id.trust_domain,
+                    "serviceAccount": p.id.service_account,
+                });
+                (uid.clone(), serde_json::json!({"state": "Up", "info": info}))
+            })
+            .collect();
+        serde_json::Value::Object(m)
     }
 
     pub fn holds(&self, uid: &str) -> bool {
@@ -235,7 +258,8 @@ impl InPod {
                  15001/15006/15008; its connections wait for the workload"),
         }
         let mut pods = self.pods.lock().unwrap();
-        pods.insert(uid.into(), Pod { netns, ips, listeners });
+        let name = w.as_ref().map(|w| w.name.clone()).or_else(|| info.map(|i| i.name.clone()));
+        pods.insert(uid.into(), Pod { name: name.unwrap_or_default(), id, netns, ips, listeners });
         self.metrics.pods.set(pods.len() as i64);
         self.metrics.started.inc();
         drop(pods);

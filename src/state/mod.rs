@@ -576,23 +576,46 @@ impl Store {
         w.identity(&self.cfg.trust_domain)
     }
 
-    /// The store for the admin config dump.
-    pub fn dump(&self) -> serde_json::Value {
+    /// Everything the store holds, sorted by key, for the admin config dump: workloads by uid,
+    /// services by key with the uids behind them, policies by key, and the endpoints of services
+    /// not (yet) known (ztunnel's "staged services").
+    pub fn contents(&self) -> Contents {
         let ix = self.index.read().unwrap();
-        let sorted = |mut v: Vec<serde_json::Value>| {
-            v.sort_by_key(|x| x.to_string());
-            v
-        };
-        serde_json::json!({
-            "workloads": sorted(ix.workloads.values().map(|w| serde_json::json!(**w)).collect()),
-            "services": sorted(ix.services.values().map(|s| {
-                let mut v = serde_json::json!(**s);
-                v["endpoints"] = serde_json::json!(ix.endpoints.get(&s.key()).cloned().unwrap_or_default());
-                v
-            }).collect()),
-            "policies": sorted(ix.policies.values().map(|p| serde_json::json!(**p)).collect()),
-        })
+        let mut workloads: Vec<_> = ix.workloads.values().cloned().collect();
+        workloads.sort_by(|a, b| a.uid.cmp(&b.uid));
+        let mut services: Vec<_> = ix
+            .services
+            .values()
+            .map(|s| {
+                let uids = ix.endpoints.get(&s.key()).cloned().unwrap_or_default();
+                let ws = uids.iter().filter_map(|u| ix.workloads.get(u).cloned()).collect();
+                (s.clone(), ws)
+            })
+            .collect();
+        services.sort_by_key(|(s, _)| s.key());
+        let mut policies: Vec<_> = ix.policies.values().cloned().collect();
+        policies.sort_by_key(|p| p.key());
+        let mut staged: Vec<_> = ix
+            .endpoints
+            .iter()
+            .filter(|(k, _)| !ix.services.contains_key(*k))
+            .map(|(k, uids)| {
+                (k.clone(), uids.iter().filter_map(|u| ix.workloads.get(u).cloned()).collect())
+            })
+            .collect();
+        staged.sort_by(|a: &(String, Vec<_>), b| a.0.cmp(&b.0));
+        Contents { workloads, services, policies, staged }
     }
+}
+
+/// What [`Store::contents`] returns.
+pub struct Contents {
+    pub workloads: Vec<Arc<Workload>>,
+    /// Each service with the workloads behind it.
+    pub services: Vec<(Arc<Service>, Vec<Arc<Workload>>)>,
+    pub policies: Vec<Arc<Authorization>>,
+    /// Endpoints of services the store does not hold: service key → workloads.
+    pub staged: Vec<(String, Vec<Arc<Workload>>)>,
 }
 
 /// The resources a local file describes: services list their workloads there, so each listed

@@ -20,14 +20,16 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
 use prometheus_client::registry::Registry;
-use serde_json::json;
 
 use crate::config::Config;
-use crate::identity::store::{humantime, CertStore};
+use crate::identity::store::CertStore;
 use crate::inpod::InPod;
 use crate::proxy::{Ctx, Drain};
 use crate::redirect::ebpf::{EbpfRedirect, Role};
 use crate::signer::Signer;
+
+pub mod dump;
+pub use dump::config_dump;
 
 pub type Body = Full<Bytes>;
 
@@ -396,66 +398,6 @@ pub fn authz_check(
     dst: Option<String>,
 ) -> Result<serde_json::Value, String> {
     crate::authz::explain(&st.ctx.state, src.as_deref(), src_ip.as_deref(), dst.as_deref())
-}
-
-/// Everything `/config_dump` shows: settings, mesh state, xDS, certificates, signer, redirect.
-pub fn config_dump(st: &AdminState) -> serde_json::Value {
-    let (cfg, store, ctx) = (&st.cfg, &st.store, &st.ctx);
-    let b = crate::mb::backend_choice();
-    let snapshot = store.snapshot();
-    let certs: Vec<_> = snapshot
-        .iter()
-        .map(|c| {
-            json!({
-                "identity": c.identity.to_string(),
-                "serial": c.serial,
-                "algorithm": c.algorithm,
-                "not_before": humantime(c.not_before),
-                "not_after": humantime(c.not_after),
-                "issued_at": humantime(c.issued_at),
-                "renew_at": humantime(c.refresh_at()),
-                "intermediates": c.chain_der.len(),
-            })
-        })
-        .collect();
-    let roots: Vec<String> = snapshot
-        .first()
-        .map(|b| {
-            b.roots_der
-                .iter()
-                .filter_map(|d| boring::x509::X509::from_der(d).ok()?.to_pem().ok())
-                .filter_map(|p| String::from_utf8(p).ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    let mut v = json!({
-        "config": **cfg,
-        "local_workloads": ctx.state.local_workloads().iter().map(|w| w.uid.clone()).collect::<Vec<_>>(),
-        "state": ctx.state.dump(),
-        "certificate_source": store.source().describe(),
-        "holds_ca_key": store.source().holds_ca_key(),
-        "certificates": certs,
-        "root_certificates": roots,
-        "signer": {
-            "backend": b.backend.to_string(),
-            "cpu_features": b.features.to_string(),
-            "reason": b.reason,
-            "state": st.signer.dump(),
-        },
-        "hbone_pool_connections": ctx.pool.len(),
-        "active_connections": ctx.drain.active(),
-        "draining": ctx.drain.is_draining(),
-    });
-    if let Some(p) = &st.inpod {
-        v["inpod_pods"] = json!(p.uids());
-    }
-    if let Some(e) = &st.ebpf {
-        v["redirect"] = e.status();
-    }
-    if let Some(x) = &st.xds {
-        v["xds"] = json!(x.status());
-    }
-    v
 }
 
 #[cfg(test)]
