@@ -732,7 +732,10 @@ fn tcp_metrics_are_ztunnels_label_for_label() {
     .unwrap();
     for node in [&c.n1, &c.n2] {
         let state = &node.r().ctx.state;
-        state.apply(Delta { upserts: local_resources(&ws, std::slice::from_ref(&svc), &[]), removes: vec![] });
+        state.apply(Delta {
+            upserts: local_resources(&ws, std::slice::from_ref(&svc), &[]),
+            removes: vec![],
+        });
         set_policies(
             node,
             "- {name: deny-8081, namespace: demo, scope: NAMESPACE, action: DENY,
