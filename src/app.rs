@@ -288,6 +288,9 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         &mut registry,
         std::env::var(crate::config::env::ISTIO_VERSION).ok(),
     );
+    registry.register_collector(Box::new(crate::identity::store::CertCollector(Arc::downgrade(
+        &store,
+    ))));
     registry.register_collector(Box::new(crate::net::workers::RuntimeCollector(Arc::downgrade(
         &ctx.workers,
     ))));

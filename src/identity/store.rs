@@ -436,6 +436,63 @@ impl CertStore {
     }
 }
 
+/// The store's certificates as metrics, read at each scrape:
+/// `mbtunnel_certificates{state="available|pending|failed"}` (identities held in each state) and
+/// `mbtunnel_certificate_expiry_seconds` (time until the soonest certificate held expires; absent
+/// when none is). Ends with the store (a weak reference).
+pub struct CertCollector(pub std::sync::Weak<CertStore>);
+
+impl std::fmt::Debug for CertCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CertCollector")
+    }
+}
+
+impl prometheus_client::collector::Collector for CertCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        let Some(store) = self.0.upgrade() else { return Ok(()) };
+        let (mut available, mut pending, mut failed) = (0i64, 0i64, 0i64);
+        let mut soonest: Option<SystemTime> = None;
+        for (_, slot) in store.slots() {
+            match slot {
+                Slot::Ready(b) => {
+                    available += 1;
+                    soonest = Some(soonest.map_or(b.not_after, |s| s.min(b.not_after)));
+                }
+                Slot::Pending => pending += 1,
+                Slot::Failed { .. } => failed += 1,
+            }
+        }
+        let mut e = encoder.encode_descriptor(
+            "mbtunnel_certificates",
+            "Workload certificates held, by state: available, pending (first request in flight), \
+             failed (backing off)",
+            None,
+            prometheus_client::metrics::MetricType::Gauge,
+        )?;
+        for (state, n) in [("available", available), ("pending", pending), ("failed", failed)] {
+            let g = ConstGauge::new(n);
+            g.encode(e.encode_family(&[("state", state)])?)?;
+        }
+        if let Some(t) = soonest {
+            let left = t.duration_since(SystemTime::now()).map(|d| d.as_secs() as i64).unwrap_or(0);
+            let g = ConstGauge::new(left);
+            g.encode(encoder.encode_descriptor(
+                "mbtunnel_certificate_expiry_seconds",
+                "Seconds until the soonest workload certificate held expires",
+                None,
+                g.metric_type(),
+            )?)?;
+        }
+        Ok(())
+    }
+}
+
 /// RFC 3339 rendering of a time, for logs and the config dump.
 pub fn humantime(t: SystemTime) -> String {
     time::OffsetDateTime::from(t)
