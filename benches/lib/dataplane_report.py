@@ -9,7 +9,11 @@
       Medians over rounds (the last attempt of each product and round), min–max spread, the
       ratio mbtunnel / ztunnel of the medians, the issue's target; then per-round details.
       With --write-readme 1, replaces the text between the markers in FILE (appends it the
-      first time).
+      first time) and writes the chart (below) as dataplane.svg beside FILE.
+  dataplane_report.py chart README OUT.svg
+      The chart of the table already in README (between the markers): one bar per row, the
+      ratio mbtunnel / ztunnel on a log scale, the target marked, 1.0 (ztunnel) as the axis.
+      For a table measured before charts were written; a rerun of the bench rewrites both.
 """
 import glob
 import json
@@ -300,6 +304,8 @@ def table(argv):
                 met = "yes" if (q >= tgt if op == ">=" else q <= tgt) else "no"
         lines.append("| %s | %s | %s | %s | %s | %s |" % (label, cells[0], cells[1], ratio, ttext, met))
     lines.append("")
+    lines.append("![mbtunnel / ztunnel per row, targets marked](dataplane.svg)")
+    lines.append("")
     # Supporting figures.
     lines.append("Supporting figures (medians):")
     lines.append("")
@@ -420,11 +426,92 @@ def table(argv):
             new = old.rstrip("\n") + ("\n\n" if old else "") + block + "\n"
         with open(path, "w") as f:
             f.write(new)
-        print("\n(dataplane: written to %s)" % path)
+        print("\n(dataplane: written to %s, chart %s)" % (path, write_chart(path)))
+
+
+def chart_svg(rows, title):
+    """SVG of (label, ratio, op, target) rows: a bar per row from 1.0 (ztunnel) to the ratio on a
+    log scale, green where the row meets its target (or has none and is better than ztunnel in the
+    row's direction), red where not; the target as a black tick."""
+    import math
+    lo, hi = 0.25, 4.0
+    left, width, bar, gap, top = 540, 360, 16, 8, 40
+    height = top + len(rows) * (bar + gap) + 40
+
+    def x(v):
+        v = min(max(v, lo), hi)
+        return left + (math.log(v) - math.log(lo)) / (math.log(hi) - math.log(lo)) * width
+
+    esc = lambda t: t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    out = ['<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" font-family="sans-serif" '
+           'font-size="12">' % (left + width + 60, height),
+           '<rect width="100%" height="100%" fill="white"/>',
+           '<text x="10" y="20" font-size="14" font-weight="bold">%s</text>' % esc(title)]
+    for v in (0.25, 0.5, 1.0, 2.0, 4.0):
+        out.append('<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="%s"/>'
+                   % (x(v), top - 6, x(v), height - 30, "#000" if v == 1.0 else "#ddd"))
+        out.append('<text x="%.1f" y="%d" text-anchor="middle">%g×</text>' % (x(v), height - 14, v))
+    for i, (label, ratio, op, tgt) in enumerate(rows):
+        y = top + i * (bar + gap)
+        out.append('<text x="%d" y="%d" text-anchor="end">%s</text>' % (left - 8, y + bar - 4, esc(label)))
+        if ratio is None:
+            continue
+        if op is None:
+            good = None
+        else:
+            good = ratio >= tgt if op == ">=" else ratio <= tgt
+        colour = {True: "#2e7d32", False: "#c62828", None: "#757575"}[good]
+        x0, x1 = sorted((x(1.0), x(ratio)))
+        out.append('<rect x="%.1f" y="%d" width="%.1f" height="%d" fill="%s"/>' % (x0, y, max(x1 - x0, 1), bar, colour))
+        out.append('<text x="%.1f" y="%d">%.2f×</text>' % (max(x(ratio), x(1.0)) + 4, y + bar - 4, ratio))
+        if tgt is not None:
+            out.append('<line x1="%.1f" y1="%d" x2="%.1f" y2="%d" stroke="black" stroke-width="2"/>'
+                       % (x(tgt), y - 2, x(tgt), y + bar + 2))
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def rows_of_readme(text):
+    """(label, ratio, op, target) of the main table between the markers."""
+    block = text[text.index(BEGIN):text.index(END)]
+    rows = []
+    for line in block.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 6 or cells[0] in ("workload", "---"):
+            continue
+        try:
+            ratio = float(cells[3])
+        except ValueError:
+            ratio = None
+        m = re.search(r"([≥≤])\s*([0-9.]+)", cells[4])
+        op, tgt = (None, None)
+        if m:
+            op, tgt = (">=" if m.group(1) == "≥" else "<="), float(m.group(2))
+        rows.append((cells[0], ratio, op, tgt))
+    return rows
+
+
+def chart_title(text):
+    text = text[text.index(BEGIN):text.index(END)] if BEGIN in text else text
+    m = re.search(r"Measured (\S+) on ([^,]+(?:, model [^)]+\))?)", text)
+    when = ("%s, %s" % (m.group(1), m.group(2))) if m else ""
+    return "mbtunnel / ztunnel in the same run and topology, %s (bar: ratio; tick: target)" % when
+
+
+def write_chart(readme_path):
+    text = read(readme_path)
+    out = os.path.join(os.path.dirname(readme_path) or ".", "dataplane.svg")
+    with open(out, "w") as f:
+        f.write(chart_svg(rows_of_readme(text), chart_title(text)))
+    return out
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "check":
+    if sys.argv[1] == "chart":
+        text = read(sys.argv[2])
+        with open(sys.argv[3], "w") as f:
+            f.write(chart_svg(rows_of_readme(text), chart_title(text)))
+    elif sys.argv[1] == "check":
         print(check(sys.argv[2], float(sys.argv[3])))
     else:
         table(sys.argv[2:])
