@@ -551,6 +551,14 @@ fn a_pod_added_before_its_workload_is_accepted_and_its_connections_wait_for_it()
     let pending = |n: &Node| metric(&n.metrics(), "mbtunnel_inpod_pods_pending", &[]);
     assert_eq!(pending(&c.n1), Some(2.0), "{}", c.n1.metrics());
     assert_eq!(c.n1.pods(), ["gone-uid", "late-uid"]);
+    // The config dump's `workloadState` (ztunnel's): each pod by uid, up, as the CNI named it.
+    let ws = c.n1.r().inpod.as_ref().unwrap().workload_state();
+    assert_eq!(
+        ws["late-uid"],
+        serde_json::json!({"state": "Up", "info": {"name": "late", "namespace": "demo",
+            "trustDomain": "cluster.local", "serviceAccount": "late"}}),
+        "{ws:#}"
+    );
 
     // A connection from the pending pod waits; its workload arrives meanwhile.
     let to = sa(echo.v4, 8080);
