@@ -33,8 +33,8 @@ fn bench(c: &mut Criterion) {
         g.throughput(Throughput::Elements(batch as u64));
         for &backend in &backends {
             let name = match backend {
-                Backend::Ifma => "ifma",
                 Backend::Scalar => "boringssl",
+                b => b.as_str(),
             };
             g.bench_with_input(BenchmarkId::new(name, batch), &batch, |b, &n| {
                 b.iter(|| p256::sign_batch_with(backend, &key_refs[..n], &msg_refs[..n]))

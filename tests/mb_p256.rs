@@ -1,5 +1,10 @@
 //! ECDSA P-256 batch signing: every signature verified by BoringSSL, known answers, lane mixing,
 //! partial batches, nonce retry, key loading.
+//!
+//! Every multi-buffer test runs on the portable model of the kernels (`Backend::Model`, every
+//! CPU) and on the IFMA kernels where the CPU has them ([`mb_backends`]: the IFMA part's skip is
+//! printed, and fails under `REQUIRE_IFMA=1`); `model_and_ifma_agree_bit_for_bit` compares the
+//! two builds lane by lane.
 
 use boring::bn::{BigNum, BigNumContext};
 use boring::ec::{EcGroup, EcKey, EcPoint};
@@ -11,9 +16,10 @@ use mbtunnel::mb::{Backend, MbError};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
-/// Whether the IFMA part can run; under `REQUIRE_IFMA=1` a CPU without it fails the test.
-fn ifma() -> bool {
-    mbtunnel::mb::require_ifma("the IFMA part of this test").is_some()
+/// The multi-buffer backends to test here: the model always, IFMA where the CPU has it (the
+/// skip of the IFMA part is printed; under `REQUIRE_IFMA=1` a CPU without it fails the test).
+fn mb_backends(what: &str) -> Vec<Backend> {
+    mbtunnel::mb::test_backends(what)
 }
 
 fn group() -> EcGroup {
@@ -140,15 +146,14 @@ fn rfc6979_a25_known_answers() {
         assert_eq!(p256::rfc6979_nonce(&d, &h, None), hex(k), "k for {msg:?}");
         let want = der_of(&hex(r), &hex(s));
         assert_eq!(reference_sign(&d, &h, &hex(k)), (hex(r), hex(s)));
-        if !ifma() {
-            continue;
-        }
-        let got = p256::sign_digests(Backend::Ifma, &[&key], &[h], &Nonces::Deterministic);
-        assert_eq!(got[0].as_ref().unwrap(), &want, "deterministic IFMA signature for {msg:?}");
-        let inj: &[[u8; 32]] = &[hex(k)];
-        let got = p256::sign_digests(Backend::Ifma, &[&key], &[h], &Nonces::Injected(&[inj]));
-        assert_eq!(got[0].as_ref().unwrap(), &want, "injected-nonce signature for {msg:?}");
         assert!(verifies(&want, msg, &key));
+        for b in mb_backends("RFC 6979 known answers") {
+            let got = p256::sign_digests(b, &[&key], &[h], &Nonces::Deterministic);
+            assert_eq!(got[0].as_ref().unwrap(), &want, "deterministic {b} signature for {msg:?}");
+            let inj: &[[u8; 32]] = &[hex(k)];
+            let got = p256::sign_digests(b, &[&key], &[h], &Nonces::Injected(&[inj]));
+            assert_eq!(got[0].as_ref().unwrap(), &want, "injected-nonce {b} signature for {msg:?}");
+        }
     }
 }
 
@@ -163,13 +168,16 @@ fn hedged_nonce_differs_from_deterministic() {
     assert_eq!(a, p256::rfc6979_nonce(&d, &h, Some(&[1u8; 32])));
 }
 
-/// The whole IFMA signer against textbook ECDSA with the same nonces, different random key,
-/// digest and nonce in every lane (including edge nonces 1, n-1, 2^255-ish).
+/// The whole multi-buffer signer against textbook ECDSA with the same nonces, different random
+/// key, digest and nonce in every lane (including edge nonces 1, n-1, 2^255-ish).
 #[test]
 fn ifma_matches_reference_with_injected_nonces() {
-    if !ifma() {
-        return;
+    for b in mb_backends("P-256 against the reference") {
+        matches_reference(b);
     }
+}
+
+fn matches_reference(backend: Backend) {
     let mut rng = ChaCha20Rng::seed_from_u64(20);
     let n = order();
     let mut nm1 = n.to_owned().unwrap();
@@ -195,19 +203,52 @@ fn ifma_matches_reference_with_injected_nonces() {
             ks[3] = half;
         }
         let inj: Vec<&[[u8; 32]]> = ks.iter().map(std::slice::from_ref).collect();
-        let got = p256::sign_digests(Backend::Ifma, &refs, &es, &Nonces::Injected(&inj));
+        let got = p256::sign_digests(backend, &refs, &es, &Nonces::Injected(&inj));
         for lane in 0..8 {
             let (r, s) = reference_sign(&ds[lane], &es[lane], &ks[lane]);
-            assert_eq!(got[lane].as_ref().unwrap(), &der_of(&r, &s), "round {round} lane {lane}");
+            assert_eq!(
+                got[lane].as_ref().unwrap(),
+                &der_of(&r, &s),
+                "{backend} round {round} lane {lane}"
+            );
         }
+    }
+}
+
+/// The model and the IFMA kernels give the same (r, s), lane by lane, for random keys,
+/// digests and nonces (different in every lane).
+#[test]
+fn model_and_ifma_agree_bit_for_bit() {
+    let Some(cap) = mbtunnel::mb::require_ifma("P-256 model vs IFMA") else { return };
+    let mut rng = ChaCha20Rng::seed_from_u64(25);
+    for round in 0..60 {
+        let keys: Vec<EcdsaKey> =
+            (0..8).map(|_| key_from_scalar(&rand_below_n(&mut rng))).collect();
+        let refs: Vec<&EcdsaKey> = keys.iter().collect();
+        let es: Vec<[u8; 32]> = (0..8).map(|_| rng.gen()).collect();
+        let ks: Vec<[u8; 32]> = (0..8).map(|_| rand_below_n(&mut rng)).collect();
+        let inj: Vec<&[[u8; 32]]> = ks.iter().map(std::slice::from_ref).collect();
+        let m = p256::sign_digests_raw_model(&refs, &es, &Nonces::Injected(&inj));
+        let i = p256::sign_digests_raw(cap, &refs, &es, &Nonces::Injected(&inj));
+        for lane in 0..8 {
+            assert!(m[lane].is_ok(), "round {round} lane {lane}");
+            assert_eq!(m[lane], i[lane], "round {round} lane {lane}");
+        }
+        // Deterministic nonces through the DER path too.
+        let a = p256::sign_digests(Backend::Model, &refs, &es, &Nonces::Deterministic);
+        let b = p256::sign_digests(Backend::Ifma, &refs, &es, &Nonces::Deterministic);
+        assert_eq!(a, b, "round {round}");
     }
 }
 
 #[test]
 fn ifma_mixed_keys_verify() {
-    if !ifma() {
-        return;
+    for b in mb_backends("P-256 mixed keys") {
+        mixed_keys_verify(b);
     }
+}
+
+fn mixed_keys_verify(backend: Backend) {
     let mut rng = ChaCha20Rng::seed_from_u64(21);
     let keys: Vec<EcdsaKey> = (0..8).map(|_| gen_key().1).collect();
     for round in 0..40 {
@@ -217,11 +258,14 @@ fn ifma_mixed_keys_verify() {
             .map(|i| (0..rng.gen_range(0..300)).map(|_| rng.gen::<u8>() ^ i).collect())
             .collect();
         let msg_refs: Vec<&[u8]> = msgs.iter().map(|m| m.as_slice()).collect();
-        let sigs = p256::sign_batch_with(Backend::Ifma, &lane_keys, &msg_refs);
+        let sigs = p256::sign_batch_with(backend, &lane_keys, &msg_refs);
         assert_eq!(sigs.len(), 8);
         for lane in 0..8 {
             let der = sigs[lane].as_ref().unwrap();
-            assert!(verifies(der, &msgs[lane], lane_keys[lane]), "round {round} lane {lane}");
+            assert!(
+                verifies(der, &msgs[lane], lane_keys[lane]),
+                "{backend} round {round} lane {lane}"
+            );
             // A signature must not verify for another lane's message.
             assert!(
                 !verifies(der, &msgs[(lane + 1) % 8], lane_keys[lane])
@@ -234,9 +278,9 @@ fn ifma_mixed_keys_verify() {
 #[test]
 fn partial_batches_and_chunking() {
     let keys: Vec<EcdsaKey> = (0..3).map(|_| gen_key().1).collect();
-    let backends: &[Backend] =
-        if ifma() { &[Backend::Ifma, Backend::Scalar] } else { &[Backend::Scalar] };
-    for &backend in backends {
+    let mut backends = mb_backends("P-256 partial batches");
+    backends.push(Backend::Scalar);
+    for backend in backends {
         for count in (1..=7).chain([12, 17]) {
             let msgs: Vec<Vec<u8>> =
                 (0..count).map(|i| format!("message {i} of {count}").into_bytes()).collect();
@@ -260,24 +304,30 @@ fn partial_batches_and_chunking() {
 
 #[test]
 fn hedged_signatures_differ_deterministic_repeat() {
-    if !ifma() {
-        return;
+    for b in mb_backends("hedged nonces") {
+        let (_, key) = gen_key();
+        let a = p256::sign_batch_with(b, &[&key, &key], &[b"same", b"same"]);
+        assert_ne!(
+            a[0].as_ref().unwrap(),
+            a[1].as_ref().unwrap(),
+            "{b}: fresh randomness per lane"
+        );
+        let h = sha256(b"same");
+        let d1 = p256::sign_digests(b, &[&key, &key], &[h, h], &Nonces::Deterministic);
+        assert_eq!(d1[0].as_ref().unwrap(), d1[1].as_ref().unwrap(), "{b}");
     }
-    let (_, key) = gen_key();
-    let a = p256::sign_batch_with(Backend::Ifma, &[&key, &key], &[b"same", b"same"]);
-    assert_ne!(a[0].as_ref().unwrap(), a[1].as_ref().unwrap(), "fresh randomness per lane");
-    let h = sha256(b"same");
-    let d1 = p256::sign_digests(Backend::Ifma, &[&key, &key], &[h, h], &Nonces::Deterministic);
-    assert_eq!(d1[0].as_ref().unwrap(), d1[1].as_ref().unwrap());
 }
 
 /// s = 0 forces a retry: with e = -r*d mod n the first nonce gives s = 0, the lane takes the
 /// next candidate and the other lanes are unaffected.
 #[test]
 fn zero_s_retries_with_next_nonce() {
-    if !ifma() {
-        return;
+    for b in mb_backends("zero-s retry") {
+        zero_s_retries(b);
     }
+}
+
+fn zero_s_retries(backend: Backend) {
     let mut rng = ChaCha20Rng::seed_from_u64(22);
     let d = rand_below_n(&mut rng);
     let k1 = rand_below_n(&mut rng);
@@ -296,19 +346,18 @@ fn zero_s_retries_with_next_nonce() {
     let h2 = sha256(b"other lane");
     let c0: &[[u8; 32]] = &[k1, k2];
     let c1: &[[u8; 32]] = &[k2];
-    let got =
-        p256::sign_digests(Backend::Ifma, &[&key, &other], &[e, h2], &Nonces::Injected(&[c0, c1]));
+    let got = p256::sign_digests(backend, &[&key, &other], &[e, h2], &Nonces::Injected(&[c0, c1]));
     let (r, s) = reference_sign(&d, &e, &k2);
     assert_eq!(got[0].as_ref().unwrap(), &der_of(&r, &s));
     let sig = EcdsaSig::from_der(got[1].as_ref().unwrap()).unwrap();
     assert!(sig.verify(&h2, other.ec_key()).unwrap());
     // With no further candidate the lane reports an error instead of a bad signature.
     let only: &[[u8; 32]] = &[k1];
-    let got = p256::sign_digests(Backend::Ifma, &[&key], &[e], &Nonces::Injected(&[only]));
+    let got = p256::sign_digests(backend, &[&key], &[e], &Nonces::Injected(&[only]));
     assert!(matches!(got[0], Err(MbError::InvalidInput(_))));
     // Out-of-range injected nonces are rejected.
     let bad: &[[u8; 32]] = &[[0xff; 32]];
-    let got = p256::sign_digests(Backend::Ifma, &[&key], &[e], &Nonces::Injected(&[bad]));
+    let got = p256::sign_digests(backend, &[&key], &[e], &Nonces::Injected(&[bad]));
     assert!(matches!(got[0], Err(MbError::InvalidInput(_))));
 }
 
@@ -341,9 +390,12 @@ fn key_loading() {
         EcdsaKey::from_der(&sec1_der).unwrap(),
         EcdsaKey::from_der(&p8_der).unwrap(),
     ] {
-        let backend = if ifma() { Backend::Ifma } else { Backend::Scalar };
-        let sig = p256::sign_batch_with(backend, &[&k], &[msg]);
-        assert!(verifies(sig[0].as_ref().unwrap(), msg, &key));
+        let mut backends = mb_backends("P-256 key loading");
+        backends.push(Backend::Scalar);
+        for backend in backends {
+            let sig = p256::sign_batch_with(backend, &[&k], &[msg]);
+            assert!(verifies(sig[0].as_ref().unwrap(), msg, &key), "{backend}");
+        }
     }
     assert!(!format!("{key:?}").contains(&format!("{:?}", ec.private_key().to_vec())));
     let p384 = EcKey::generate(&EcGroup::from_curve_name(Nid::SECP384R1).unwrap()).unwrap();
@@ -478,9 +530,10 @@ fn keys_are_shareable_across_signer_threads() {
     assert_send_sync::<EcdsaKey>();
     let (_, key) = gen_key();
     let key = std::sync::Arc::new(key);
-    let backend = if ifma() { Backend::Ifma } else { Backend::Scalar };
-    let handles: Vec<_> = (0..2)
+    let backends = mb_backends("P-256 keys across threads");
+    let handles: Vec<_> = (0..2 * backends.len())
         .map(|i| {
+            let backend = backends[i % backends.len()];
             let key = key.clone();
             std::thread::spawn(move || {
                 let msg = format!("thread {i}");

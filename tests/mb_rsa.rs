@@ -1,5 +1,10 @@
 //! RSA multi-buffer signing against BoringSSL: PKCS#1 v1.5 byte-identical, PSS verifies, per-lane
 //! keys, partial batches, edge inputs, routing of ineligible keys, and the fault check.
+//!
+//! Every multi-buffer test runs on the portable model of the kernels (`Backend::Model`, every
+//! CPU) and on the IFMA kernels where the CPU has them ([`mb_backends`]: the IFMA part's skip is
+//! printed, and fails under `REQUIRE_IFMA=1`); `model_and_ifma_agree_bit_for_bit` compares the
+//! two builds lane by lane.
 
 use std::sync::OnceLock;
 
@@ -41,9 +46,10 @@ fn keys_of(bits: usize) -> Vec<&'static RsaPrivateKey> {
     keys().iter().filter(|(_, k)| k.bits() == bits).map(|(_, k)| k).collect()
 }
 
-/// Whether the IFMA part can run; under `REQUIRE_IFMA=1` a CPU without it fails the test.
-fn ifma() -> bool {
-    mbtunnel::mb::require_ifma("the IFMA part of this test").is_some()
+/// The multi-buffer backends to test here: the model always, IFMA where the CPU has it (the
+/// skip of the IFMA part is printed; under `REQUIRE_IFMA=1` a CPU without it fails the test).
+fn mb_backends(what: &str) -> Vec<Backend> {
+    mbtunnel::mb::test_backends(what)
 }
 
 fn boring_sign(key: &RsaPrivateKey, msg: &[u8], padding: Padding) -> Vec<u8> {
@@ -100,32 +106,63 @@ fn pkcs1_identical(bits: usize, backend: Backend, seed: u64) {
 
 #[test]
 fn pkcs1_byte_identical_2048() {
-    if ifma() {
-        pkcs1_identical(2048, Backend::Ifma, 1);
+    for b in mb_backends("PKCS#1 2048") {
+        pkcs1_identical(2048, b, 1);
     }
     pkcs1_identical(2048, Backend::Scalar, 2);
 }
 
 #[test]
 fn pkcs1_byte_identical_3072() {
-    if ifma() {
-        pkcs1_identical(3072, Backend::Ifma, 3);
+    for b in mb_backends("PKCS#1 3072") {
+        pkcs1_identical(3072, b, 3);
     }
 }
 
 #[test]
 fn pkcs1_byte_identical_4096() {
-    if ifma() {
-        pkcs1_identical(4096, Backend::Ifma, 4);
+    for b in mb_backends("PKCS#1 4096") {
+        pkcs1_identical(4096, b, 4);
+    }
+}
+
+/// The model and the IFMA kernels give the same bytes, lane by lane, for random
+/// representatives (a different one in every lane) under mixed keys, every size.
+#[test]
+fn model_and_ifma_agree_bit_for_bit() {
+    if !mb_backends("model vs IFMA, private operation").contains(&Backend::Ifma) {
+        return;
+    }
+    let mut rng = ChaCha20Rng::seed_from_u64(8);
+    for (bits, rounds) in [(2048, 6), (3072, 2), (4096, 1)] {
+        let ks = keys_of(bits);
+        for round in 0..rounds {
+            let lane_keys: Vec<&RsaPrivateKey> =
+                (0..8).map(|i| ks[(i + round) % ks.len()]).collect();
+            let reps: Vec<Vec<u8>> = (0..8)
+                .map(|_| {
+                    let mut v = vec![0u8; bits / 8];
+                    rng.fill_bytes(&mut v[1..]);
+                    v
+                })
+                .collect();
+            let r: Vec<&[u8]> = reps.iter().map(|v| v.as_slice()).collect();
+            let m = RsaBatch::private_op_with(Backend::Model, &lane_keys, &r);
+            let i = RsaBatch::private_op_with(Backend::Ifma, &lane_keys, &r);
+            for lane in 0..8 {
+                assert!(m[lane].is_ok(), "{bits} lane {lane}: {:?}", m[lane]);
+                assert_eq!(m[lane], i[lane], "{bits} round {round} lane {lane}");
+            }
+        }
     }
 }
 
 #[test]
 fn pss_verifies_all_sizes_and_digests() {
-    let backends: &[Backend] =
-        if ifma() { &[Backend::Ifma, Backend::Scalar] } else { &[Backend::Scalar] };
+    let mut backends = mb_backends("PSS");
+    backends.push(Backend::Scalar);
     let mut rng = ChaCha20Rng::seed_from_u64(5);
-    for &backend in backends {
+    for backend in backends {
         for bits in [2048, 3072, 4096] {
             let ks = keys_of(bits);
             for padding in [Padding::PssSha256, Padding::PssSha384, Padding::PssSha512] {
@@ -152,16 +189,19 @@ fn pss_verifies_all_sizes_and_digests() {
 
 #[test]
 fn partial_batches_1_to_7() {
-    if !ifma() {
-        return;
+    for backend in mb_backends("partial batches") {
+        partial_batches(backend);
     }
+}
+
+fn partial_batches(backend: Backend) {
     let ks = keys_of(2048);
     let mut rng = ChaCha20Rng::seed_from_u64(6);
     for n in 1..=7 {
         let lane_keys: Vec<&RsaPrivateKey> = (0..n).map(|i| ks[(i + n) % ks.len()]).collect();
         let msgs = random_msgs(&mut rng, n);
         let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
-        let out = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &m, Padding::Pkcs1Sha256);
+        let out = RsaBatch::sign_with(backend, &lane_keys, &m, Padding::Pkcs1Sha256);
         assert_eq!(out.len(), n);
         for i in 0..n {
             assert_eq!(
@@ -174,9 +214,12 @@ fn partial_batches_1_to_7() {
 
 #[test]
 fn edge_messages_and_raw_representatives() {
-    if !ifma() {
-        return;
+    for backend in mb_backends("edge messages and representatives") {
+        edge_inputs(backend);
     }
+}
+
+fn edge_inputs(backend: Backend) {
     for bits in [2048, 3072, 4096] {
         let ks = keys_of(bits);
         let zeros = vec![0u8; 1000];
@@ -184,7 +227,7 @@ fn edge_messages_and_raw_representatives() {
         let msgs: Vec<&[u8]> =
             vec![b"", &zeros, &ones, b"\x00", b"\xff", &zeros[..1], &ones[..64], b"x"];
         let lane_keys: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[i % ks.len()]).collect();
-        let out = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &msgs, Padding::Pkcs1Sha512);
+        let out = RsaBatch::sign_with(backend, &lane_keys, &msgs, Padding::Pkcs1Sha512);
         for i in 0..8 {
             assert_eq!(
                 out[i].as_ref().unwrap(),
@@ -206,13 +249,13 @@ fn edge_messages_and_raw_representatives() {
         let reps: Vec<Vec<u8>> = vec![vec![0u8; size], one, n_minus_1, ones_below, top];
         let r: Vec<&[u8]> = reps.iter().map(|v| v.as_slice()).collect();
         let ks5 = vec![k; reps.len()];
-        let a = RsaBatch::private_op_with(Backend::Ifma, &ks5, &r);
+        let a = RsaBatch::private_op_with(backend, &ks5, &r);
         let b = RsaBatch::private_op_with(Backend::Scalar, &ks5, &r);
         for i in 0..reps.len() {
             assert_eq!(a[i].as_ref().unwrap(), b[i].as_ref().unwrap(), "{bits} rep {i}");
         }
         // n itself is rejected for that lane only.
-        let bad = RsaBatch::private_op_with(Backend::Ifma, &[k, k], &[&n, &reps[1]]);
+        let bad = RsaBatch::private_op_with(backend, &[k, k], &[&n, &reps[1]]);
         assert!(matches!(bad[0], Err(MbError::InvalidInput(_))));
         assert!(bad[1].is_ok());
     }
@@ -220,14 +263,17 @@ fn edge_messages_and_raw_representatives() {
 
 #[test]
 fn mixed_sizes_are_grouped_and_more_than_eight_split() {
-    if !ifma() {
-        return;
+    for backend in mb_backends("mixed sizes") {
+        mixed_sizes(backend);
     }
+}
+
+fn mixed_sizes(backend: Backend) {
     let all: Vec<&RsaPrivateKey> = keys().iter().map(|(_, k)| k).collect();
     let lane_keys: Vec<&RsaPrivateKey> = (0..11).map(|i| all[i % all.len()]).collect();
     let msgs: Vec<Vec<u8>> = (0..11).map(|i| vec![i as u8; i * 5]).collect();
     let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
-    let out = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &m, Padding::Pkcs1Sha256);
+    let out = RsaBatch::sign_with(backend, &lane_keys, &m, Padding::Pkcs1Sha256);
     for i in 0..11 {
         assert_eq!(
             out[i].as_ref().unwrap(),
@@ -236,7 +282,7 @@ fn mixed_sizes_are_grouped_and_more_than_eight_split() {
     }
     let more: Vec<&RsaPrivateKey> = vec![keys_of(2048)[0]; 10];
     let m10: Vec<&[u8]> = vec![b"ten"; 10];
-    assert!(RsaBatch::sign_with(Backend::Ifma, &more, &m10, Padding::PssSha256)
+    assert!(RsaBatch::sign_with(backend, &more, &m10, Padding::PssSha256)
         .iter()
         .all(|r| boring_verify(more[0], b"ten", r.as_ref().unwrap(), Padding::PssSha256)));
 }
@@ -253,27 +299,38 @@ fn ineligible_keys_route_to_scalar_with_reason() {
     assert_eq!(r.backend, Backend::Scalar);
     assert!(r.reason.contains("1024"), "{r}");
     assert!(keys_of(2048)[0].ifma_eligible());
-    // They still sign, also when IFMA is asked for and mixed with eligible keys.
-    let backend = if ifma() { Backend::Ifma } else { Backend::Scalar };
-    let k2 = keys_of(2048)[0];
-    let ks = [&e3, &small, k2];
-    let out = RsaBatch::sign_with(backend, &ks, &[b"a", b"b", b"c"], Padding::Pkcs1Sha256);
-    for (i, m) in [b"a", b"b", b"c"].iter().enumerate() {
-        assert_eq!(out[i].as_ref().unwrap(), &boring_sign(ks[i], *m, Padding::Pkcs1Sha256));
+    // They still sign, also when a multi-buffer backend is asked for and mixed with eligible
+    // keys.
+    let mut backends = mb_backends("ineligible keys mixed with eligible ones");
+    backends.push(Backend::Scalar);
+    for backend in backends {
+        let k2 = keys_of(2048)[0];
+        let ks = [&e3, &small, k2];
+        let out = RsaBatch::sign_with(backend, &ks, &[b"a", b"b", b"c"], Padding::Pkcs1Sha256);
+        for (i, m) in [b"a", b"b", b"c"].iter().enumerate() {
+            assert_eq!(
+                out[i].as_ref().unwrap(),
+                &boring_sign(ks[i], *m, Padding::Pkcs1Sha256),
+                "{backend} lane {i}"
+            );
+        }
     }
 }
 
 #[test]
 fn fault_check_catches_corrupted_lane() {
-    if !ifma() {
-        return;
+    for backend in mb_backends("fault check") {
+        fault_check(backend);
     }
+}
+
+fn fault_check(backend: Backend) {
     let ks = keys_of(2048);
     let lane_keys: Vec<&RsaPrivateKey> = (0..8).map(|i| ks[i % ks.len()]).collect();
     let m: Vec<&[u8]> = vec![b"fault"; 8];
     let before = fault_check_failures();
     inject_fault_next_batch(1 << 3);
-    let out = RsaBatch::sign_with(Backend::Ifma, &lane_keys, &m, Padding::Pkcs1Sha256);
+    let out = RsaBatch::sign_with(backend, &lane_keys, &m, Padding::Pkcs1Sha256);
     for (i, r) in out.iter().enumerate() {
         if i == 3 {
             assert_eq!(r, &Err(MbError::FaultCheck));
@@ -286,7 +343,7 @@ fn fault_check_catches_corrupted_lane() {
     }
     assert!(fault_check_failures() > before);
     // The hook is consumed: the next batch is clean.
-    assert!(RsaBatch::sign_with(Backend::Ifma, &lane_keys, &m, Padding::Pkcs1Sha256)
+    assert!(RsaBatch::sign_with(backend, &lane_keys, &m, Padding::Pkcs1Sha256)
         .iter()
         .all(|r| r.is_ok()));
 }
@@ -357,7 +414,8 @@ fn mismatched_lengths_fail_clearly() {
 #[test]
 #[ignore]
 fn dudect_fixed_vs_random_key() {
-    if !ifma() {
+    // Timing of the IFMA kernels (the model is not what runs in production).
+    if mbtunnel::mb::require_ifma("dudect RSA (IFMA kernels)").is_none() {
         return;
     }
     use mbtunnel::mb::timing::{conclude, welch_t};
@@ -412,21 +470,24 @@ fn dudect_fixed_vs_random_key() {
 
 #[test]
 fn fresh_keys_each_lane() {
-    if !ifma() {
-        return;
-    }
     // Eight freshly generated keys, one per lane (fixtures cover 3072/4096 and repeated keys).
     let ks: Vec<RsaPrivateKey> = (0..8)
         .map(|_| RsaPrivateKey::from_boring(&boring::rsa::Rsa::generate(2048).unwrap()).unwrap())
         .collect();
     let refs: Vec<&RsaPrivateKey> = ks.iter().collect();
     let mut rng = ChaCha20Rng::seed_from_u64(7);
-    for padding in [Padding::Pkcs1Sha256, Padding::Pkcs1Sha512] {
-        let msgs = random_msgs(&mut rng, 8);
-        let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
-        let out = RsaBatch::sign_with(Backend::Ifma, &refs, &m, padding);
-        for i in 0..8 {
-            assert_eq!(out[i].as_ref().unwrap(), &boring_sign(refs[i], m[i], padding), "lane {i}");
+    for backend in mb_backends("fresh keys") {
+        for padding in [Padding::Pkcs1Sha256, Padding::Pkcs1Sha512] {
+            let msgs = random_msgs(&mut rng, 8);
+            let m: Vec<&[u8]> = msgs.iter().map(|v| v.as_slice()).collect();
+            let out = RsaBatch::sign_with(backend, &refs, &m, padding);
+            for i in 0..8 {
+                assert_eq!(
+                    out[i].as_ref().unwrap(),
+                    &boring_sign(refs[i], m[i], padding),
+                    "{backend} lane {i}"
+                );
+            }
         }
     }
 }

@@ -37,10 +37,11 @@ impl Ifma {
     /// The features checked, exactly those the IFMA kernels' `target_feature` attributes enable.
     pub const FEATURES: &'static [&'static str] = &["avx512f", "avx512ifma", "avx512vl"];
 
-    /// `Some` only if the CPU has every feature in [`Ifma::FEATURES`].
+    /// `Some` only if the CPU has every feature in [`Ifma::FEATURES`] (and the test switch
+    /// `MBTUNNEL_MB_NO_IFMA=1`, [`crate::mb::NO_IFMA_ENV`], does not hide it).
     pub fn detect() -> Option<Ifma> {
         #[cfg(target_arch = "x86_64")]
-        if all_detected!("avx512f", "avx512ifma", "avx512vl") {
+        if all_detected!("avx512f", "avx512ifma", "avx512vl") && !crate::mb::ifma_hidden() {
             return Some(Ifma(()));
         }
         None
@@ -152,7 +153,33 @@ mod tests {
                 );
             }
         }
-        assert!(seen > 50, "the scan found the kernels ({seen} attributes)");
+        // simd.rs (21 wrapped intrinsics), the two `kfn!` macros of the IFMA kernel builds,
+        // peak.rs and sha.rs.
+        assert!(seen > 25, "the scan found the kernels ({seen} attributes)");
+        // The shared kernel sources and the portable model carry no target feature: the model
+        // build of the kernels must run on any CPU (the IFMA build gets its features from the
+        // `kfn!` wrapper of `rsa/ifma.rs` and `p256/ifma.rs`).
+        let attr = concat!("#[target_", "feature");
+        let mut model_files = 0;
+        for (file, src) in sources() {
+            if ["kernel.rs", "model.rs", "simd_model.rs", "limbs.rs"]
+                .iter()
+                .any(|f| file.ends_with(f))
+            {
+                model_files += 1;
+                assert!(!src.contains(attr), "{file} must not enable target features");
+            }
+            if file.ends_with("ifma.rs") && src.contains("include!(\"kernel.rs\")") {
+                assert!(
+                    src.contains(concat!(
+                        "#[target_feature(",
+                        "enable = \"avx512f,avx512ifma,avx512vl\")]"
+                    )),
+                    "{file}"
+                );
+            }
+        }
+        assert!(model_files >= 6, "kernel sources and model files found ({model_files})");
         // The scanner itself sees through a set that no capability covers.
         let bad = concat!("#[target_feature(", "enable = \"avx512f,gfni\")]");
         let sets = enabled_sets(bad);

@@ -6,6 +6,12 @@
 //! BoringSSL single-op path; the choice and the reason are observable ([`backend_choice`]).
 //! The kernels themselves can only be reached with a capability value ([`cpu::Ifma`] and its
 //! siblings), which only run-time detection of every feature they are compiled with produces.
+//!
+//! The kernels are built twice from one source (`rsa/kernel.rs`, `p256/kernel.rs`): the IFMA
+//! build over the AVX-512 wrapper [`simd`], and a portable model build over [`simd_model`]
+//! (`[u64; 8]` lanes, each operation as the instruction defines it). The model runs the same
+//! code path on every CPU, for tests, fuzzing and the `model` test backend ([`Backend::Model`]),
+//! which is only ever used when forced and is never a production backend.
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -21,12 +27,18 @@ pub mod timing;
 pub use rsa::{RsaBatch, RsaPrivateKey};
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod simd;
+pub(crate) mod simd_model;
 
 /// Number of lanes in one batch.
 pub const LANES: usize = 8;
 
-/// Environment variable that forces a backend (`scalar` or `ifma`).
+/// Environment variable that forces a backend (`scalar`, `ifma`, or the test backend `model`).
 pub const BACKEND_ENV: &str = "MBTUNNEL_SIGNER_BACKEND";
+
+/// Environment variable for tests: `1` hides AVX-512 IFMA from this process (detection reports
+/// it absent, `auto` chooses `scalar`, IFMA tests skip or — under `REQUIRE_IFMA=1` — fail), so
+/// that the path of a CPU without it can be exercised on one that has it.
+pub const NO_IFMA_ENV: &str = "MBTUNNEL_MB_NO_IFMA";
 
 /// Which implementation computes signatures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -35,6 +47,10 @@ pub enum Backend {
     Ifma,
     /// BoringSSL, one operation at a time.
     Scalar,
+    /// Test backend: the portable model of the IFMA kernels (the same kernel source over
+    /// `[u64; 8]` lanes), 8 lanes, on any CPU. Much slower than either production backend; only
+    /// used when forced (`MBTUNNEL_SIGNER_BACKEND=model`), never chosen automatically.
+    Model,
 }
 
 impl Backend {
@@ -42,8 +58,56 @@ impl Backend {
         match self {
             Backend::Ifma => "ifma",
             Backend::Scalar => "scalar",
+            Backend::Model => "model",
         }
     }
+
+    /// True for the backends that sign eight lanes per pass (IFMA and its model): the signer
+    /// batches for these, and sends everything to BoringSSL single-op otherwise.
+    pub fn is_multi_buffer(self) -> bool {
+        matches!(self, Backend::Ifma | Backend::Model)
+    }
+
+    /// True for a backend that exists for tests only (the model).
+    pub fn is_test_only(self) -> bool {
+        self == Backend::Model
+    }
+}
+
+/// Which build of the multi-buffer kernels runs a batch: the IFMA build (with the proof that
+/// the CPU has the features) or the portable model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernels {
+    #[cfg(target_arch = "x86_64")]
+    Ifma(Ifma),
+    Model,
+}
+
+impl Kernels {
+    /// The kernels a backend runs: `None` for the scalar backend, and for IFMA on a CPU
+    /// without it (never a fallback to the model).
+    pub(crate) fn for_backend(backend: Backend) -> Option<Kernels> {
+        match backend {
+            Backend::Scalar => None,
+            Backend::Model => Some(Kernels::Model),
+            #[cfg(target_arch = "x86_64")]
+            Backend::Ifma => Ifma::detect().map(Kernels::Ifma),
+            #[cfg(not(target_arch = "x86_64"))]
+            Backend::Ifma => None,
+        }
+    }
+}
+
+/// The multi-buffer backends a test should run on this machine: always the model; IFMA too
+/// where the CPU has it. Where it does not, [`require_ifma`] prints that the IFMA part of
+/// `what` is skipped (and panics under `REQUIRE_IFMA=1`), so the skip is never silent.
+#[doc(hidden)]
+pub fn test_backends(what: &str) -> Vec<Backend> {
+    let mut v = vec![Backend::Model];
+    if require_ifma(&format!("{what} (IFMA part; the model part runs)")).is_some() {
+        v.push(Backend::Ifma);
+    }
+    v
 }
 
 impl fmt::Display for Backend {
@@ -87,13 +151,19 @@ impl fmt::Display for CpuFeatures {
     }
 }
 
-/// Detects the CPU features at run time.
+/// True when [`NO_IFMA_ENV`] is `1` (read once per process).
+pub fn ifma_hidden() -> bool {
+    static HIDDEN: OnceLock<bool> = OnceLock::new();
+    *HIDDEN.get_or_init(|| std::env::var(NO_IFMA_ENV).as_deref() == Ok("1"))
+}
+
+/// Detects the CPU features at run time (AVX-512 IFMA reads as absent under [`NO_IFMA_ENV`]).
 pub fn cpu_features() -> CpuFeatures {
     #[cfg(target_arch = "x86_64")]
     {
         CpuFeatures {
             avx512f: std::arch::is_x86_feature_detected!("avx512f"),
-            avx512ifma: std::arch::is_x86_feature_detected!("avx512ifma"),
+            avx512ifma: std::arch::is_x86_feature_detected!("avx512ifma") && !ifma_hidden(),
             avx512vl: std::arch::is_x86_feature_detected!("avx512vl"),
         }
     }
@@ -156,8 +226,9 @@ pub struct BackendChoice {
     pub reason: String,
 }
 
-/// Chooses a backend from a requested mode (`None`/`auto`, `ifma`, `scalar`) and the CPU features.
-/// Asking for `ifma` on a CPU without it is an error, never a silent fallback.
+/// Chooses a backend from a requested mode (`None`/`auto`, `ifma`, `scalar`, `model`) and the CPU
+/// features. Asking for `ifma` on a CPU without it is an error, never a silent fallback. `auto`
+/// never chooses `model`: that test backend is only ever used when asked for by name.
 pub fn choose_backend(
     requested: Option<&str>,
     features: CpuFeatures,
@@ -190,11 +261,20 @@ pub fn choose_backend(
         Some("ifma") => Err(MbError::Unsupported(format!(
             "backend 'ifma' requested but the CPU lacks AVX-512 IFMA (detected: {features}); use 'scalar' or 'auto'"
         ))),
+        Some("model") => Ok(BackendChoice {
+            backend: Backend::Model,
+            features,
+            reason: MODEL_REASON.into(),
+        }),
         Some(other) => Err(MbError::Unsupported(format!(
-            "unknown signer backend '{other}': expected auto, ifma or scalar"
+            "unknown signer backend '{other}': expected auto, ifma or scalar (or the test backend model)"
         ))),
     }
 }
+
+/// The reason given when the model backend is forced (start-up log, doctor, metrics info).
+pub const MODEL_REASON: &str = "forced by configuration: TEST BACKEND (portable model of the IFMA \
+     kernels, scalar code, much slower; never for production)";
 
 static CHOICE: OnceLock<BackendChoice> = OnceLock::new();
 
@@ -263,10 +343,29 @@ mod tests {
         assert_eq!(choose_backend(Some("auto"), NONE).unwrap().backend, Backend::Scalar);
     }
 
+    /// The model is never an automatic choice, whatever the CPU.
+    #[test]
+    fn auto_never_chooses_the_model() {
+        for f in [ALL, NONE, CpuFeatures { avx512f: true, avx512ifma: false, avx512vl: true }] {
+            for req in [None, Some(""), Some("auto"), Some(" AUTO ")] {
+                let c = choose_backend(req, f).unwrap();
+                assert_ne!(c.backend, Backend::Model, "{req:?} on {f}");
+                assert!(!c.backend.is_test_only());
+            }
+        }
+        assert!(Backend::Model.is_multi_buffer() && Backend::Ifma.is_multi_buffer());
+        assert!(!Backend::Scalar.is_multi_buffer());
+    }
+
     #[test]
     fn forced_modes() {
         assert_eq!(choose_backend(Some("scalar"), ALL).unwrap().backend, Backend::Scalar);
         assert!(choose_backend(Some("ifma"), NONE).is_err());
+        for f in [ALL, NONE] {
+            let c = choose_backend(Some("model"), f).unwrap();
+            assert_eq!(c.backend, Backend::Model);
+            assert!(c.reason.contains("TEST BACKEND"), "{}", c.reason);
+        }
         let e = choose_backend(Some("gpu"), ALL).unwrap_err().to_string();
         assert!(e.contains("gpu"), "{e}");
     }

@@ -6,6 +6,9 @@
 //! kernels are called only after `crate::mb` runtime detection confirmed the CPU has them. Inside
 //! such kernels the calls are safe and inline; outside, calling one needs `unsafe` and a reason.
 //!
+//! `mb::simd_model` is the portable model of this type (same names, same operations, on
+//! `[u64; 8]`); the kernels are compiled against each from one source.
+//!
 //! Lane `i` always belongs to request `i`; no method here moves data across lanes except the
 //! explicit transpose helpers, so lane-crossing bugs can only come from those.
 #![allow(dead_code)]
@@ -164,8 +167,9 @@ pub(crate) mod ifma_count {
     }
 }
 
-/// The 52-bit limb mask, splatted.
-pub const MASK52: u64 = (1u64 << 52) - 1;
+/// The limb mask and the aligned load source are shared with the portable model
+/// (`mb::simd_model`), so data built for one build (e.g. the P-256 base table) serves both.
+pub use super::simd_model::{Aligned8, MASK52};
 
 // --- added for p256
 impl U64x8 {
@@ -202,7 +206,85 @@ impl U64x8 {
     }
 }
 
-/// Eight words aligned to a cache line, for [`U64x8::load_aligned`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[repr(C, align(64))]
-pub struct Aligned8(pub [u64; 8]);
+#[cfg(test)]
+mod model_tests {
+    //! The portable model (`mb::simd_model`) against the instructions, operation by operation,
+    //! lane by lane, on random lanes that differ from each other, with edge values sprinkled in.
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha20Rng;
+
+    const MASK52: u64 = super::MASK52;
+
+    fn lane(rng: &mut ChaCha20Rng) -> u64 {
+        match rng.gen_range(0..12) {
+            0 => 0,
+            1 => u64::MAX,
+            2 => MASK52,
+            3 => 1 << 52,
+            4 => 1 << 63,
+            5 => rng.gen::<u64>() & MASK52,
+            _ => rng.gen(),
+        }
+    }
+
+    fn vec(rng: &mut ChaCha20Rng) -> [u64; 8] {
+        core::array::from_fn(|_| lane(rng))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn model_ops_match_the_instructions() {
+        use super::{Aligned8 as A8, U64x8 as V};
+        let Some(_cap) = crate::mb::require_ifma("model vs AVX-512 IFMA, lane operations") else {
+            return;
+        };
+        type M = crate::mb::simd_model::U64x8;
+        let mut rng = ChaCha20Rng::seed_from_u64(0x5eed);
+        // SAFETY (every `unsafe` below): the capability above proves the CPU has avx512f,
+        // avx512ifma and avx512vl, the features of `mb::simd`'s methods.
+        macro_rules! same {
+            ($name:literal, $m:expr, $v:expr) => {{
+                let (m, v) = ($m, unsafe { $v });
+                assert_eq!(m, v, "{}", $name);
+            }};
+        }
+        for _ in 0..20_000 {
+            let (a, b, c) = (vec(&mut rng), vec(&mut rng), vec(&mut rng));
+            let (ma, mb, mc) = (M::from_array(a), M::from_array(b), M::from_array(c));
+            let (va, vb, vc) = unsafe { (V::from_array(a), V::from_array(b), V::from_array(c)) };
+            let n: u32 = rng.gen_range(0..70);
+            let k: u8 = rng.gen();
+            same!("madd52lo", ma.madd52lo(mb, mc).0, va.madd52lo(vb, vc).to_array());
+            same!("madd52hi", ma.madd52hi(mb, mc).0, va.madd52hi(vb, vc).to_array());
+            same!("add", ma.add(mb).0, va.add(vb).to_array());
+            same!("sub", ma.sub(mb).0, va.sub(vb).to_array());
+            same!("and", ma.and(mb).0, va.and(vb).to_array());
+            same!("or", ma.or(mb).0, va.or(vb).to_array());
+            same!("xor", ma.xor(mb).0, va.xor(vb).to_array());
+            same!("shr_by", ma.shr_by(n).0, va.shr_by(n).to_array());
+            same!("shl_by", ma.shl_by(n).0, va.shl_by(n).to_array());
+            same!("shr", ma.shr::<52>().0, va.shr::<52>().to_array());
+            same!("shr51", ma.shr::<51>().0, va.shr::<51>().to_array());
+            same!("shl", ma.shl::<1>().0, va.shl::<1>().to_array());
+            same!("shl44", ma.shl::<44>().0, va.shl::<44>().to_array());
+            same!("sra52", ma.sra::<52>().0, va.sra::<52>().to_array());
+            same!("sra63", ma.sra::<63>().0, va.sra::<63>().to_array());
+            same!("eq_mask", ma.eq_mask(mb), va.eq_mask(vb));
+            same!("eq_mask self", ma.eq_mask(ma.select(k, mb)), va.eq_mask(va.select(k, vb)));
+            same!("lt_mask", ma.lt_mask(mb), va.lt_mask(vb));
+            same!("select", ma.select(k, mb).0, va.select(k, vb).to_array());
+            same!("lookup16", M::lookup16(ma, mb, mc).0, V::lookup16(va, vb, vc).to_array());
+            let small = M::from_array(core::array::from_fn(|i| b[i] & 31));
+            let vsmall = unsafe { V::from_array(small.0) };
+            same!(
+                "lookup16 small",
+                M::lookup16(ma, small, mc).0,
+                V::lookup16(va, vsmall, vc).to_array()
+            );
+            same!("splat", M::splat(a[0]).0, V::splat(a[0]).to_array());
+            same!("zero", M::zero().0, V::zero().to_array());
+            let al = A8(a);
+            same!("load_aligned", M::load_aligned(&A8(a)).0, V::load_aligned(&al).to_array());
+        }
+    }
+}

@@ -454,6 +454,15 @@ fn routes(backend: mb::Backend) -> &'static str {
             "keys:\n  \
              every key: BoringSSL, one signature at a time (the scalar backend makes no batches)\n"
         }
+        mb::Backend::Model => {
+            "WARNING: model is a TEST backend (the portable model of the IFMA kernels, scalar \
+             code, many times slower than BoringSSL); never use it in production\n\
+             keys:\n  \
+             RSA 2048/3072/4096-bit, e = 65537: model batches of up to 8, each signature checked \
+             against the public key before it is released (fault check)\n  \
+             ECDSA P-256: model batches of up to 8\n  \
+             other keys: BoringSSL, one signature at a time\n"
+        }
     }
 }
 
@@ -476,6 +485,8 @@ mod tests {
         assert!(ifma.contains("ECDSA P-256: IFMA batches"), "{ifma}");
         assert!(!scalar.contains("IFMA batches") && !scalar.contains("lanes"), "{scalar}");
         assert!(scalar.contains("every key: BoringSSL, one signature at a time"), "{scalar}");
+        let model = routes(mb::Backend::Model);
+        assert!(model.contains("TEST backend") && model.contains("model batches"), "{model}");
         // A fresh process has signed nothing: it names where a running proxy's count is instead.
         assert!(doctor().contains("mbtunnel_signer_fault_check_failures_total"));
     }

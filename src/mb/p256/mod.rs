@@ -8,10 +8,35 @@ use crate::mb::{Backend, MbError, LANES};
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod ifma;
+pub(crate) mod limbs;
+pub(crate) mod model;
 mod nonce;
 mod sha;
+// One test source, compiled against each build of the kernels (`tests.rs`): the model's run on
+// every CPU, the IFMA build's where the CPU has it; `tests_cross.rs` compares the two.
+#[cfg(test)]
+#[allow(unused_unsafe)]
+mod tests_model {
+    use super::model::*;
+    const BUILD: &str = "model";
+    /// The model runs everywhere.
+    fn kernels_here(_what: &str) -> bool {
+        true
+    }
+    include!("tests.rs");
+}
 #[cfg(all(test, target_arch = "x86_64"))]
-mod tests;
+mod tests_ifma {
+    use super::ifma::*;
+    const BUILD: &str = "ifma";
+    /// The shared skip-or-fail helper (prints the skip; fails under `REQUIRE_IFMA=1`).
+    fn kernels_here(what: &str) -> bool {
+        crate::mb::require_ifma(&format!("{what} (IFMA build)")).is_some()
+    }
+    include!("tests.rs");
+}
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests_cross;
 
 /// An ECDSA P-256 private key ready for batch signing.
 ///
@@ -123,11 +148,11 @@ pub fn sign_batch_with(
 /// Builds the IFMA kernels' precomputed base-point table now (185 KiB, computed once per
 /// process with BoringSSL's point arithmetic, ~10–15 ms here) so that the first batch does not
 /// pay for it.
-/// Does nothing on a CPU without AVX-512 IFMA. Safe to call more than once.
+/// Does nothing on a CPU without AVX-512 IFMA unless the model backend is in use. Safe to call
+/// more than once.
 pub fn prepare() {
-    #[cfg(target_arch = "x86_64")]
-    if crate::mb::Ifma::detect().is_some() {
-        ifma::base_table();
+    if crate::mb::Ifma::detect().is_some() || crate::mb::backend() == Backend::Model {
+        limbs::base_table();
     }
 }
 
@@ -178,15 +203,15 @@ pub fn sign_digests(
                 ]
             }
         },
-        Backend::Ifma => {
-            let Some(cap) = crate::mb::Ifma::detect() else {
+        Backend::Ifma | Backend::Model => {
+            let Some(kernels) = crate::mb::Kernels::for_backend(backend) else {
                 let e = MbError::Unsupported(format!(
                     "IFMA backend requested but the CPU lacks AVX-512 IFMA (detected: {})",
                     crate::mb::cpu_features()
                 ));
                 return vec![Err(e); n];
             };
-            sign_digests_raw(cap, keys, digests, nonces)
+            sign_digests_raw_on(kernels, keys, digests, nonces)
                 .into_iter()
                 .map(|r| r.map(|(r, s)| der_signature(&r, &s)))
                 .collect()
@@ -207,6 +232,31 @@ pub fn sign_digests_raw(
     digests: &[[u8; 32]],
     nonces: &Nonces<'_>,
 ) -> Vec<Result<RawSig, MbError>> {
+    #[cfg(target_arch = "x86_64")]
+    return sign_digests_raw_on(crate::mb::Kernels::Ifma(cap), keys, digests, nonces);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (cap, digests, nonces);
+        vec![Err(MbError::Unsupported("IFMA backend needs x86_64".into())); keys.len()]
+    }
+}
+
+/// [`sign_digests_raw`] on the portable model of the kernels (tests, fuzzing). Hidden.
+#[doc(hidden)]
+pub fn sign_digests_raw_model(
+    keys: &[&EcdsaKey],
+    digests: &[[u8; 32]],
+    nonces: &Nonces<'_>,
+) -> Vec<Result<RawSig, MbError>> {
+    sign_digests_raw_on(crate::mb::Kernels::Model, keys, digests, nonces)
+}
+
+fn sign_digests_raw_on(
+    kernels: crate::mb::Kernels,
+    keys: &[&EcdsaKey],
+    digests: &[[u8; 32]],
+    nonces: &Nonces<'_>,
+) -> Vec<Result<RawSig, MbError>> {
     let n = keys.len();
     if digests.len() != n || matches!(nonces, Nonces::Injected(v) if v.len() != n) {
         return vec![Err(MbError::InvalidInput("batch length mismatch".to_string())); n];
@@ -219,7 +269,7 @@ pub fn sign_digests_raw(
             Nonces::Hedged => Nonces::Hedged,
             Nonces::Deterministic => Nonces::Deterministic,
         };
-        out.extend(sign_chunk_ifma(cap, &keys[start..end], &digests[start..end], &inj));
+        out.extend(sign_chunk(kernels, &keys[start..end], &digests[start..end], &inj));
     }
     out
 }
@@ -229,9 +279,8 @@ fn sign_scalar(key: &EcdsaKey, digest: &[u8; 32]) -> Result<Vec<u8>, MbError> {
     Ok(sig.to_der()?)
 }
 
-#[cfg(target_arch = "x86_64")]
-fn sign_chunk_ifma(
-    cap: crate::mb::Ifma,
+fn sign_chunk(
+    kernels: crate::mb::Kernels,
     keys: &[&EcdsaKey],
     digests: &[[u8; 32]],
     nonces: &Nonces<'_>,
@@ -293,7 +342,11 @@ fn sign_chunk_ifma(
         if out.iter().all(Option::is_some) {
             break;
         }
-        let (r, s) = ifma::sign8(cap, &d, &e, &k);
+        let (r, s) = match kernels {
+            #[cfg(target_arch = "x86_64")]
+            crate::mb::Kernels::Ifma(cap) => ifma::sign8(cap, &d, &e, &k),
+            crate::mb::Kernels::Model => model::sign8(&d, &e, &k),
+        };
         for i in 0..n {
             // r and s are public outputs; testing them for zero leaks nothing about d or k.
             if out[i].is_none() && r[i] != [0u8; 32] && s[i] != [0u8; 32] {
@@ -304,16 +357,6 @@ fn sign_chunk_ifma(
     out.into_iter()
         .map(|o| o.unwrap_or_else(|| Err(MbError::InvalidInput("no valid nonce found".into()))))
         .collect()
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn sign_chunk_ifma(
-    _cap: crate::mb::Ifma,
-    keys: &[&EcdsaKey],
-    _digests: &[[u8; 32]],
-    _nonces: &Nonces<'_>,
-) -> Vec<Result<RawSig, MbError>> {
-    vec![Err(MbError::Unsupported("IFMA backend needs x86_64".into())); keys.len()]
 }
 
 /// DER `ECDSA-Sig-Value ::= SEQUENCE { r INTEGER, s INTEGER }` from 32-byte big-endian r, s.

@@ -1,5 +1,8 @@
-//! SIMD primitives against BoringSSL `BigNum` / `EcPoint`, with a different random value in every
-//! lane (seeded ChaCha), lane by lane.
+// SIMD primitives against BoringSSL `BigNum` / `EcPoint`, with a different random value in every
+// lane (seeded ChaCha), lane by lane. ONE source, included by `tests_model` (the portable model
+// build of the kernels, every CPU) and `tests_ifma` (the IFMA build, where the CPU has it; the
+// skip is printed, and fails under `REQUIRE_IFMA=1`): the including module brings the kernels
+// (`use super::model::*` or `use super::ifma::*`), `BUILD` and `kernels_here`.
 
 use boring::bn::{BigNum, BigNumContext, BigNumRef};
 use boring::ec::{EcGroup, EcPoint};
@@ -7,16 +10,18 @@ use boring::nid::Nid;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
-use super::ifma::*;
+use super::limbs::*;
 
-/// The shared skip-or-fail helper (fails under `REQUIRE_IFMA=1`).
-fn ifma() -> bool {
-    crate::mb::require_ifma("P-256 IFMA kernel test").is_some()
+/// Whether this build of the kernels can run here (always for the model).
+fn runnable() -> bool {
+    kernels_here("P-256 kernel test")
 }
 
-/// The capability, after [`ifma`] said yes.
-fn cap() -> crate::mb::Ifma {
-    crate::mb::Ifma::detect().expect("checked by ifma()")
+/// One `sign8` pass of this build's kernel, after [`ifma`] said yes.
+fn sign8_here(d: &[[u8; 32]; 8], e: &[[u8; 32]; 8], k: &[[u8; 32]; 8]) -> ([[u8; 32]; 8], [[u8; 32]; 8]) {
+    // SAFETY: only reached after `kernels_here` (for the IFMA build: run-time detection of the
+    // kernels' features); the model's kernel is a safe function.
+    unsafe { sign8_kernel(d, e, k) }
 }
 
 fn bn_from_limbs(l: &[u64; 5]) -> BigNum {
@@ -43,13 +48,13 @@ fn bn_to_limbs(b: &BigNumRef) -> [u64; 5] {
 
 /// Random loose value below 2^`bits` (bits ≤ 258), normalised limbs.
 fn rand_limbs(rng: &mut ChaCha20Rng, bits: u32) -> [u64; 5] {
-    let mut l: [u64; 5] = std::array::from_fn(|_| rng.gen::<u64>() & crate::mb::simd::MASK52);
+    let mut l: [u64; 5] = std::array::from_fn(|_| rng.gen::<u64>() & MASK52);
     l[4] &= (1u64 << (bits - 208)) - 1;
     // Sprinkle edge values so all-zero and all-ones limbs occur.
     match rng.gen_range(0..16) {
         0 => l = [0; 5],
         1 => {
-            l = [crate::mb::simd::MASK52; 5];
+            l = [MASK52; 5];
             l[4] = (1u64 << (bits - 208)) - 1;
         }
         _ => {}
@@ -83,7 +88,7 @@ fn ctx() -> Ctx {
 }
 
 fn below(l: &[u64; 5], bits: u32) -> bool {
-    l[..4].iter().all(|&x| x <= crate::mb::simd::MASK52) && l[4] < (1u64 << (bits - 208))
+    l[..4].iter().all(|&x| x <= MASK52) && l[4] < (1u64 << (bits - 208))
 }
 
 #[test]
@@ -105,12 +110,12 @@ fn constants_match_bignum() {
     g.order(&mut order, &mut c.ctx).unwrap();
     assert_eq!(order, c.n);
     // k0 * n ≡ -1 mod 2^52
-    assert_eq!(N_K0.wrapping_mul(N[0]) & crate::mb::simd::MASK52, crate::mb::simd::MASK52);
+    assert_eq!(N_K0.wrapping_mul(N[0]) & MASK52, MASK52);
 }
 
 #[test]
 fn radix52_conversion_roundtrip() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let mut rng = ChaCha20Rng::seed_from_u64(1);
@@ -141,7 +146,7 @@ fn check_binary(
     mut reference: impl FnMut(&mut Ctx, &BigNum, &BigNum) -> BigNum,
     modulus_is_p: bool,
 ) {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let mut c = ctx();
@@ -217,7 +222,7 @@ fn fp_add_sub_match_bignum() {
 
 #[test]
 fn fp_sub_sub2_matches_bignum() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let mut c = ctx();
@@ -269,7 +274,7 @@ fn inv_ref(c: &mut Ctx, a: &BigNum, is_p: bool) -> BigNum {
 /// through lane products, against BigNum with a different value in every lane.
 #[test]
 fn inversions_match_bignum() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let mut c = ctx();
@@ -362,7 +367,7 @@ fn affine(c: &mut Ctx, g: &EcGroup, p: &EcPoint) -> (BigNum, BigNum) {
 
 #[test]
 fn point_add_mixed_matches_ecpoint() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let g = group();
@@ -477,7 +482,7 @@ fn recode_reconstructs_scalar() {
 /// The 8-lane vector recoding against the scalar one, lane by lane, different scalars per lane.
 #[test]
 fn recode8_matches_recode() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let mut rng = ChaCha20Rng::seed_from_u64(14);
@@ -515,7 +520,7 @@ fn recode8_matches_recode() {
 
 #[test]
 fn base_mul_matches_ecpoint() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let g = group();
@@ -610,10 +615,11 @@ fn best_ns(calls: usize, mut f: impl FnMut()) -> f64 {
 #[test]
 #[ignore]
 fn perf_probe() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     use std::hint::black_box as bb;
+    println!("{BUILD} build of the kernels:");
     let t = std::time::Instant::now();
     bb(build_table().unwrap());
     println!("table build       {:8.1} ns", t.elapsed().as_nanos() as f64);
@@ -645,7 +651,7 @@ fn perf_probe() {
     println!("base_mul          {r:8.1} ns");
     let d = [[7u8; 32]; 8];
     let r = best_ns(1, || {
-        bb(sign8(cap(), &d, &d, &d));
+        bb(sign8_here(&d, &d, &d));
     });
     println!("sign8             {r:8.1} ns");
     let kr: [[u8; 32]; 8] = std::array::from_fn(|_| {
@@ -654,7 +660,7 @@ fn perf_probe() {
         k
     });
     let r = best_ns(1, || {
-        bb(sign8(cap(), &d, &d, &kr));
+        bb(sign8_here(&d, &d, &kr));
     });
     println!("sign8 random k    {r:8.1} ns");
     let h = [9u8; 32];
@@ -707,12 +713,12 @@ fn perf_probe() {
 #[test]
 #[ignore]
 fn perf_sign8_loop() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let d = [[7u8; 32]; 8];
     for _ in 0..20_000 {
-        std::hint::black_box(sign8(cap(), &d, &d, &d));
+        std::hint::black_box(sign8_here(&d, &d, &d));
     }
 }
 
@@ -735,7 +741,7 @@ fn perf_nonce_loop() {
 #[test]
 #[ignore]
 fn dudect_kernel() {
-    if !ifma() {
+    if !runnable() {
         return;
     }
     let mut rng = ChaCha20Rng::seed_from_u64(24);
@@ -759,7 +765,7 @@ fn dudect_kernel() {
     let mut obs: Vec<(usize, f64)> = Vec::with_capacity(inputs.len());
     for (i, (class, d, k)) in inputs.iter().enumerate() {
         let t0 = std::time::Instant::now();
-        std::hint::black_box(sign8(cap(), d, &e, k));
+        std::hint::black_box(sign8_here(d, &e, k));
         let dt = t0.elapsed().as_nanos() as f64;
         if i >= 2000 {
             obs.push((*class, dt));
@@ -770,32 +776,4 @@ fn dudect_kernel() {
         &obs,
         &[10, 50, 90, 100],
     );
-}
-
-#[cfg(feature = "ifma-count")]
-#[test]
-fn ifma_count_per_batch_is_exact() {
-    let Some(cap) = crate::mb::require_ifma("IFMA count per P-256 batch") else { return };
-    let mut one = [0u8; 32];
-    one[31] = 1;
-    let d: [[u8; 32]; 8] = std::array::from_fn(|i| {
-        let mut x = one;
-        x[31] = 3 + i as u8;
-        x[0] = 0x11 * i as u8;
-        x
-    });
-    let k: [[u8; 32]; 8] = std::array::from_fn(|i| {
-        let mut x = one;
-        x[5] = 7 + i as u8;
-        x
-    });
-    let e = [[0x42u8; 32]; 8];
-    crate::mb::simd::ifma_count::take();
-    let _ = super::ifma::sign8(cap, &d, &e, &k);
-    let n = crate::mb::simd::ifma_count::take();
-    eprintln!("P-256: {n} IFMA per sign8");
-    assert_eq!(n, super::IFMA_PER_BATCH);
-    // Other inputs, same count.
-    let _ = super::ifma::sign8(cap, &k, &e, &d);
-    assert_eq!(crate::mb::simd::ifma_count::take(), n);
 }

@@ -13,7 +13,10 @@ use crate::mb::{Backend, MbError, LANES};
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod ifma;
+pub(crate) mod model;
 mod padding;
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests_cross;
 
 pub use padding::Padding;
 
@@ -56,6 +59,32 @@ impl fmt::Display for Route {
     }
 }
 
+/// Per-lane key material of one batch, already in radix 2^52, for a modulus of `2·L` limbs split
+/// into primes of `L` limbs. Scalar layout: `lanes[i]` is the material of lane `i`.
+pub(crate) struct LaneKey<'a> {
+    pub p: &'a [u64],
+    pub q: &'a [u64],
+    pub p_k0: u64,
+    pub q_k0: u64,
+    pub p_r2: &'a [u64],
+    pub q_r2: &'a [u64],
+    /// qInv · R mod p (radix 2^52, L limbs).
+    pub qinv_r: &'a [u64],
+    /// CRT exponents as little-endian 64-bit words.
+    pub dp: &'a [u64],
+    pub dq: &'a [u64],
+    pub n: &'a [u64],
+    pub n_k0: u64,
+    pub n_r2: &'a [u64],
+}
+
+/// Output of one batch: the signature limbs (radix 2^52, `L2` limbs per lane) and the lanes whose
+/// fault check passed.
+pub(crate) struct BatchOut<const L2: usize> {
+    pub sig: [[u64; L2]; 8],
+    pub ok: u8,
+}
+
 /// Per-key constants of the IFMA backend (radix 2^52 limbs, little-endian limb order).
 #[derive(Clone)]
 struct Precomp {
@@ -73,6 +102,26 @@ struct Precomp {
     n: Vec<u64>,
     n_k0: u64,
     n_r2: Vec<u64>,
+}
+
+impl Precomp {
+    /// This key's material for one lane of a batch.
+    fn lane_key(&self) -> LaneKey<'_> {
+        LaneKey {
+            p: &self.p,
+            q: &self.q,
+            p_k0: self.p_k0,
+            q_k0: self.q_k0,
+            p_r2: &self.p_r2,
+            q_r2: &self.q_r2,
+            qinv_r: &self.qinv_r,
+            dp: &self.dp,
+            dq: &self.dq,
+            n: &self.n,
+            n_k0: self.n_k0,
+            n_r2: &self.n_r2,
+        }
+    }
 }
 
 /// An RSA private key with the per-key precomputation of the IFMA backend done once.
@@ -216,6 +265,11 @@ impl RsaPrivateKey {
         self.route_for(choice.backend, &choice.reason)
     }
 
+    /// Where this key's signatures go on `backend` (a signer configured with its own backend).
+    pub fn route_on(&self, backend: Backend) -> Route {
+        self.route_for(backend, "configured")
+    }
+
     fn route_for(&self, backend: Backend, backend_reason: &str) -> Route {
         match (&self.ineligible, backend) {
             (Some(why), _) => Route { backend: Backend::Scalar, reason: why.clone() },
@@ -226,6 +280,13 @@ impl RsaPrivateKey {
             (None, Backend::Ifma) => Route {
                 backend: Backend::Ifma,
                 reason: format!("RSA-{} with e = 65537 on AVX-512 IFMA", self.bits),
+            },
+            (None, Backend::Model) => Route {
+                backend: Backend::Model,
+                reason: format!(
+                    "RSA-{} with e = 65537 on the portable model of the IFMA kernels (test backend)",
+                    self.bits
+                ),
             },
         }
     }
@@ -481,7 +542,8 @@ impl RsaBatch {
     }
 }
 
-/// Private operation on valid representatives: IFMA groups by size, everything else scalar.
+/// Private operation on valid representatives: multi-buffer groups by size (IFMA, or the model
+/// when that backend is asked for), everything else scalar.
 fn private_op_with(
     backend: Backend,
     keys: &[&RsaPrivateKey],
@@ -489,16 +551,16 @@ fn private_op_with(
 ) -> Vec<Result<Vec<u8>, MbError>> {
     let mut out: Vec<Result<Vec<u8>, MbError>> =
         reps.iter().map(|_| Err(MbError::InvalidInput("not computed".into()))).collect();
-    let cap = crate::mb::Ifma::detect();
+    let kernels = crate::mb::Kernels::for_backend(backend);
     let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
     for i in 0..keys.len() {
-        match (backend, &keys[i].pre) {
-            (Backend::Ifma, Some(_)) if cap.is_none() => {
+        match (backend, &keys[i].pre, kernels) {
+            (Backend::Ifma, Some(_), None) => {
                 out[i] = Err(MbError::Unsupported(
                     "IFMA backend requested on a CPU without AVX-512 IFMA".into(),
                 ));
             }
-            (Backend::Ifma, Some(_)) => match groups.iter_mut().find(|g| g.0 == keys[i].bits) {
+            (_, Some(_), Some(_)) => match groups.iter_mut().find(|g| g.0 == keys[i].bits) {
                 Some(g) => g.1.push(i),
                 None => groups.push((keys[i].bits, vec![i])),
             },
@@ -509,8 +571,8 @@ fn private_op_with(
         for chunk in idx.chunks(LANES) {
             let ks: Vec<&RsaPrivateKey> = chunk.iter().map(|&i| keys[i]).collect();
             let rs: Vec<&[u8]> = chunk.iter().map(|&i| reps[i]).collect();
-            let cap = cap.expect("groups hold IFMA lanes only when the capability was detected");
-            for (r, &i) in ifma_batch(cap, &ks, &rs).into_iter().zip(chunk) {
+            let k = kernels.expect("groups hold multi-buffer lanes only when kernels exist");
+            for (r, &i) in mb_batch(k, &ks, &rs).into_iter().zip(chunk) {
                 out[i] = r;
             }
         }
@@ -527,11 +589,11 @@ fn scalar_private_op(key: &RsaPrivateKey, rep: &[u8]) -> Result<Vec<u8>, MbError
     Ok(sig)
 }
 
-/// One IFMA batch of 1..=8 lanes, all keys of the same size and IFMA-eligible. Unused lanes
-/// repeat lane 0 and their results are dropped.
-#[cfg(target_arch = "x86_64")]
-fn ifma_batch(
-    cap: crate::mb::Ifma,
+/// One multi-buffer batch of 1..=8 lanes, all keys of the same size and IFMA-eligible, on the
+/// given build of the kernels (IFMA, or the portable model). Unused lanes repeat lane 0 and
+/// their results are dropped.
+fn mb_batch(
+    kernels: crate::mb::Kernels,
     keys: &[&RsaPrivateKey],
     reps: &[&[u8]],
 ) -> Vec<Result<Vec<u8>, MbError>> {
@@ -540,23 +602,7 @@ fn ifma_batch(
     let l = pre[0].l;
     let bits = keys[0].bits;
     let lane = |i: usize| if i < keys.len() { i } else { 0 };
-    let lane_keys: [ifma::LaneKey<'_>; 8] = core::array::from_fn(|i| {
-        let p = pre[lane(i)];
-        ifma::LaneKey {
-            p: &p.p,
-            q: &p.q,
-            p_k0: p.p_k0,
-            q_k0: p.q_k0,
-            p_r2: &p.p_r2,
-            q_r2: &p.q_r2,
-            qinv_r: &p.qinv_r,
-            dp: &p.dp,
-            dq: &p.dq,
-            n: &p.n,
-            n_k0: p.n_k0,
-            n_r2: &p.n_r2,
-        }
-    });
+    let lane_keys: [LaneKey<'_>; 8] = core::array::from_fn(|i| pre[lane(i)].lane_key());
     let em: Vec<Vec<u64>> = (0..LANES)
         .map(|i| {
             let mut v = vec![0u64; 2 * l];
@@ -568,24 +614,26 @@ fn ifma_batch(
     let corrupt = INJECT_FAULT.with(|c| c.replace(0));
     let ebits = bits / 2;
     let w = if bits <= 2048 { 4 } else { 5 };
-    let (sigs, ok): (Vec<Vec<u64>>, u8) = {
-        match l {
-            20 => {
-                let o = ifma::crt_batch::<20, 40, 80>(cap, &lane_keys, &em_refs, ebits, w, corrupt);
-                (o.sig.iter().map(|s| s.to_vec()).collect(), o.ok)
-            }
-            30 => {
-                let o =
-                    ifma::crt_batch::<30, 60, 120>(cap, &lane_keys, &em_refs, ebits, w, corrupt);
-                (o.sig.iter().map(|s| s.to_vec()).collect(), o.ok)
-            }
-            40 => {
-                let o =
-                    ifma::crt_batch::<40, 80, 160>(cap, &lane_keys, &em_refs, ebits, w, corrupt);
-                (o.sig.iter().map(|s| s.to_vec()).collect(), o.ok)
-            }
-            _ => unreachable!("precompute only admits 20, 30 or 40 limbs"),
-        }
+    // One call per (size, build): the sizes are const generics of the kernels.
+    macro_rules! run {
+        ($l:literal, $l2:literal, $l4:literal) => {{
+            let o: BatchOut<$l2> = match kernels {
+                #[cfg(target_arch = "x86_64")]
+                crate::mb::Kernels::Ifma(cap) => {
+                    ifma::crt_batch::<$l, $l2, $l4>(cap, &lane_keys, &em_refs, ebits, w, corrupt)
+                }
+                crate::mb::Kernels::Model => {
+                    model::crt_batch::<$l, $l2, $l4>(&lane_keys, &em_refs, ebits, w, corrupt)
+                }
+            };
+            (o.sig.iter().map(|s| s.to_vec()).collect::<Vec<Vec<u64>>>(), o.ok)
+        }};
+    }
+    let (sigs, ok) = match l {
+        20 => run!(20, 40, 80),
+        30 => run!(30, 60, 120),
+        40 => run!(40, 80, 160),
+        _ => unreachable!("precompute only admits 20, 30 or 40 limbs"),
     };
     (0..keys.len())
         .map(|i| {
@@ -598,15 +646,6 @@ fn ifma_batch(
             Ok(sig)
         })
         .collect()
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn ifma_batch(
-    _cap: crate::mb::Ifma,
-    keys: &[&RsaPrivateKey],
-    _reps: &[&[u8]],
-) -> Vec<Result<Vec<u8>, MbError>> {
-    keys.iter().map(|_| Err(MbError::Unsupported("IFMA needs x86_64".into()))).collect()
 }
 
 #[cfg(all(test, target_arch = "x86_64", feature = "ifma-count"))]
