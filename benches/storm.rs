@@ -22,6 +22,9 @@
 //! handshake flood dial admission`. STORM_PROBES (200), STORM_FRESH (2000) size part 5. Sizes: STORM_IDENTITIES (2000), STORM_HANDSHAKES (2000), STORM_BOUND
 //! (the admission bound, default `max_concurrent_handshakes`), STORM_FLOOD
 //! (5000), STORM_DIAL_SECS (60). Loopback blocks 127.0.91.x – 127.0.96.x, 127.1.x.x, 127.2.x.x.
+//! The signers use the process backend: `MBTUNNEL_SIGNER_BACKEND=model STORM_HANDSHAKES=400
+//! cargo bench --bench storm -- handshake` runs the batching rows on the model test backend on
+//! any CPU (a check of the batch path, not a figure).
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -259,7 +262,15 @@ async fn handshake_storm() {
     let dir = std::env::temp_dir().join(format!("mbt-storm-hs-{}", std::process::id()));
     let bounded =
         env_usize("STORM_BOUND", mbtunnel::net::Limits::default().max_concurrent_handshakes);
-    println!("handshake storm, {n} RSA-2048 server handshakes at once ({}):", cpu_model());
+    // The signers follow MBTUNNEL_SIGNER_BACKEND: `model` runs the batching rows on the
+    // portable model of the IFMA kernels (any CPU; its figures say nothing about production).
+    let backend = mbtunnel::mb::backend_choice();
+    println!(
+        "handshake storm, {n} RSA-2048 server handshakes at once ({}; signer backend {}: {}):",
+        cpu_model(),
+        backend.backend,
+        backend.reason
+    );
     let mut rows = Vec::new();
     for round in 0..3 {
         // Interleaved: admission on, off, on, off…

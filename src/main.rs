@@ -117,7 +117,8 @@ struct RunArgs {
     /// [env: MBTUNNEL_KEY_ALGORITHM]
     #[arg(long)]
     key_algorithm: Option<KeyAlgorithm>,
-    /// Signer backend: auto (IFMA when the CPU has it), ifma, scalar.
+    /// Signer backend: auto (IFMA when the CPU has it), ifma, scalar; model is a test backend
+    /// (the IFMA kernels' portable model, slow, never for production).
     /// [env: MBTUNNEL_SIGNER_BACKEND]
     #[arg(long)]
     signer_backend: Option<String>,

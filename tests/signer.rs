@@ -1,6 +1,10 @@
 //! The shared batching signer: batches form under concurrent handshakes, a lone handshake is not
 //! delayed, a full queue fails fast, a panicking thread is replaced, a faulty lane fails alone,
 //! and certificate rotation under load loses no handshake.
+//!
+//! The batch path runs on every CPU: the signers here use [`test_backend`] — the IFMA backend
+//! where the CPU has it, and otherwise the model test backend (the portable model of the IFMA
+//! kernels) instead of BoringSSL single-op.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,16 +16,37 @@ use mbtunnel::config::KeyAlgorithm;
 use mbtunnel::identity::ca::{generate_key, DevCa};
 use mbtunnel::identity::store::CertStore;
 use mbtunnel::identity::Identity;
+use mbtunnel::mb::Backend;
 use mbtunnel::metrics::Metrics;
 use mbtunnel::signer::{Budget, SignError, Signer, SignerConfig};
 use mbtunnel::tls::TlsProvider;
 use prometheus_client::registry::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+/// The backend the signers of these tests use: `MBTUNNEL_SIGNER_BACKEND` when it forces one
+/// (a forced `scalar` is respected: the batch-path tests then say that they skip); otherwise
+/// IFMA where the CPU has it, else the model test backend, so the batch path runs everywhere.
+/// Choosing the model prints that the IFMA part is skipped, and fails under `REQUIRE_IFMA=1`.
+fn test_backend() -> Backend {
+    let env = std::env::var(mbtunnel::mb::BACKEND_ENV).unwrap_or_default();
+    let forced = !matches!(env.trim().to_ascii_lowercase().as_str(), "" | "auto");
+    match mbtunnel::mb::backend() {
+        Backend::Scalar if !forced => {
+            let _ =
+                mbtunnel::mb::require_ifma("the signer's batch path on IFMA (runs on the model)");
+            Backend::Model
+        }
+        b => b,
+    }
+}
+
 fn signer(cfg: SignerConfig) -> (Signer, Arc<std::sync::Mutex<Registry>>) {
-    let s = Signer::start(cfg);
+    let backend = test_backend();
+    let s = Signer::start(SignerConfig { backend, ..cfg });
     let mut reg = Registry::default();
-    s.metrics().register(&mut reg, mbtunnel::mb::backend_choice());
+    let choice =
+        mbtunnel::mb::choose_backend(Some(backend.as_str()), mbtunnel::mb::cpu_features()).unwrap();
+    s.metrics().register(&mut reg, &choice);
     (s, Arc::new(std::sync::Mutex::new(reg)))
 }
 
@@ -156,15 +181,19 @@ async fn hundreds_of_concurrent_mixed_handshakes_batch_and_verify() {
     );
     let mean = sum / count;
     println!("mean batch size {mean:.2} over {count} batches");
-    if mbtunnel::mb::backend() == mbtunnel::mb::Backend::Ifma {
+    let b = test_backend();
+    if b.is_multi_buffer() {
         assert!(mean > 1.0, "batches must form under concurrency: mean {mean}\n{t}");
-        assert!(
-            value(&t, "mbtunnel_signer_ops_total{algorithm=\"rsa-2048\",backend=\"ifma\"}") > 0.0,
-            "{t}"
-        );
-        assert!(
-            value(&t, "mbtunnel_signer_ops_total{algorithm=\"ecdsa-p256\",backend=\"ifma\"}") > 0.0,
-            "{t}"
+        let ops = |alg: &str| {
+            value(&t, &format!("mbtunnel_signer_ops_total{{algorithm=\"{alg}\",backend=\"{b}\"}}"))
+        };
+        assert!(ops("rsa-2048") > 0.0, "{t}");
+        assert!(ops("ecdsa-p256") > 0.0, "{t}");
+        assert!(t.contains(&format!("backend=\"{b}\"")), "the backend info names {b}\n{t}");
+    } else {
+        println!(
+            "batching assertions skipped: {} forces the scalar backend",
+            mbtunnel::mb::BACKEND_ENV
         );
     }
     let _ = std::fs::remove_dir_all(dir);
@@ -275,10 +304,7 @@ async fn panicking_thread_fails_its_batch_and_is_restarted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_faulty_lane_fails_only_its_handshake() {
-    if mbtunnel::mb::require_ifma("the signer's RSA fault check (IFMA backend)").is_none() {
-        return;
-    }
-    if mbtunnel::mb::backend() != mbtunnel::mb::Backend::Ifma {
+    if !test_backend().is_multi_buffer() {
         println!(
             "skipped: the process backend is forced to scalar ({})",
             mbtunnel::mb::BACKEND_ENV
@@ -397,9 +423,33 @@ async fn spaced_requests(
     )
 }
 
-/// Adaptive fill applies to the IFMA backend; under `REQUIRE_IFMA=1` its absence fails.
+/// The gap between the spaced requests of the adaptive-fill test: 10 ms, or four times one
+/// 8-lane RSA-2048 pass on the test backend when that is slower (the model's pass takes
+/// milliseconds), so that a request never arrives while the previous one is still being signed
+/// unless the rule held it. Sizes the stream; asserts nothing about time.
+fn stream_gap(pkey: &PKey<Private>) -> Duration {
+    let key = mbtunnel::mb::RsaPrivateKey::from_boring(&pkey.rsa().unwrap()).unwrap();
+    let keys = [&key; 8];
+    let msgs: [&[u8]; 8] = [b"gap"; 8];
+    let algs = [SslSignatureAlgorithm::RSA_PSS_RSAE_SHA256; 8];
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        let out = mbtunnel::mb::RsaBatch::sign_tls_with(test_backend(), &keys, &msgs, &algs);
+        assert!(out.iter().all(Result::is_ok));
+        best = best.min(t.elapsed());
+    }
+    (4 * best).max(Duration::from_millis(10))
+}
+
+/// Adaptive fill applies to the multi-buffer backends (IFMA, or the model where IFMA is
+/// absent); only a forced scalar backend skips it, and says so.
 fn ifma_or_skip() -> bool {
-    mbtunnel::mb::require_ifma("adaptive fill (IFMA backend)").is_some()
+    let mb = test_backend().is_multi_buffer();
+    if !mb {
+        println!("skipped: adaptive fill needs a multi-buffer backend; scalar is forced");
+    }
+    mb
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -407,18 +457,18 @@ async fn adaptive_fill_holds_a_batch_open_while_requests_keep_arriving() {
     if !ifma_or_skip() {
         return;
     }
-    // Two requests queue while the signer is held, then six more follow 10 ms apart: the
-    // arrival gap (10 ms) promises more lanes well within the bound, so the batch of two is held
+    // Two requests queue while the signer is held, then six more follow 10 ms apart (or four
+    // batch times, on a backend as slow as the model): the arrival gap promises more lanes well
+    // within the bound, so the batch of two is held
     // open and the stream fills it, instead of one batch of two and six singles.
-    let (batches, lanes, holds) =
-        spaced_requests(Some(Duration::from_secs(5)), 2, 8, Duration::from_millis(10)).await;
-    println!("adaptive fill: {batches} batches, {lanes} lanes, {holds} holds");
+    let gap = stream_gap(&rsa_key());
+    let (batches, lanes, holds) = spaced_requests(Some(Duration::from_secs(5)), 2, 8, gap).await;
+    println!("adaptive fill ({gap:?} apart): {batches} batches, {lanes} lanes, {holds} holds");
     assert_eq!(lanes, 8.0);
     assert!(holds >= 1.0, "the rule held the batch open");
     assert!(batches <= 3.0, "batches filled from the stream: {batches} batches for 8 requests");
     // The same stream with the rule off: every arrival is taken as it comes.
-    let (batches, _, holds) =
-        spaced_requests(Some(Duration::ZERO), 2, 8, Duration::from_millis(10)).await;
+    let (batches, _, holds) = spaced_requests(Some(Duration::ZERO), 2, 8, gap).await;
     assert_eq!(holds, 0.0);
     assert!(batches >= 5.0, "without the rule the stream is signed as it arrives: {batches}");
 }
@@ -581,4 +631,49 @@ async fn an_idle_signer_signs_a_cheap_key_on_the_calling_thread() {
     let rsa = rsa_key();
     let _k = signer.register(rsa);
     assert!(signer.calibration().single_op_us.contains_key("rsa-2048"));
+}
+
+/// The model test backend, forced on any CPU: a held queue of eight RSA-2048 and eight P-256
+/// requests becomes one 8-lane model pass per class (not BoringSSL single-op), every signature
+/// verifies, and the metrics name the backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_model_backend_batches_on_any_cpu() {
+    let s =
+        Signer::start(SignerConfig { threads: 1, backend: Backend::Model, ..Default::default() });
+    let mut reg = Registry::default();
+    let choice = mbtunnel::mb::choose_backend(Some("model"), mbtunnel::mb::cpu_features()).unwrap();
+    assert!(choice.reason.contains("TEST BACKEND"), "{}", choice.reason);
+    s.metrics().register(&mut reg, &choice);
+    let reg = std::sync::Mutex::new(reg);
+    let rsa = rsa_key();
+    let ec = generate_key(KeyAlgorithm::EcdsaP256).unwrap();
+    let (rk, ek) = (s.register(rsa.clone()), s.register(ec.clone()));
+    s.hold(true);
+    let mut queued = Vec::new();
+    for i in 0..8u8 {
+        for (k, alg) in [
+            (rk.clone(), SslSignatureAlgorithm::RSA_PSS_RSAE_SHA256),
+            (ek.clone(), SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256),
+        ] {
+            let s2 = s.clone();
+            queued.push((alg, i, tokio::spawn(async move { s2.sign(k, vec![i; 48], alg).await })));
+            // One at a time: a queued request keeps the signer from looking idle (an idle
+            // signer may sign a cheap P-256 request on the calling thread instead).
+            while s.queue_depth() < queued.len() {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+    s.hold(false);
+    for (alg, i, q) in queued {
+        let sig = q.await.unwrap().expect("signed");
+        let key = if alg == SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256 { &ec } else { &rsa };
+        assert!(verify(key, alg, &[i; 48], &sig), "{alg:?} {i}");
+    }
+    let t = metrics_text(&reg);
+    for alg in ["rsa-2048", "ecdsa-p256"] {
+        let ops = format!("mbtunnel_signer_ops_total{{algorithm=\"{alg}\",backend=\"model\"}}");
+        assert_eq!(value(&t, &ops), 8.0, "{alg} signed in one model batch\n{t}");
+    }
+    assert!(t.contains("backend=\"model\""), "{t}");
 }

@@ -170,8 +170,12 @@ pub fn measure_single_op(pkey: &PKey<Private>) -> Option<Duration> {
     best
 }
 
-/// The fastest of a few 8-lane IFMA passes with `key` in every lane (IFMA backend only).
-pub(crate) fn measure_batch(key: &super::KeyEntry) -> Option<Duration> {
+/// The fastest of a few 8-lane passes on the multi-buffer `backend` (IFMA, or the forced model
+/// test backend) with `key` in every lane.
+pub(crate) fn measure_batch(
+    backend: crate::mb::Backend,
+    key: &super::KeyEntry,
+) -> Option<Duration> {
     use super::keys::MbKey;
     let alg = tls13_alg(&key.pkey)?;
     let msgs: [&[u8]; 8] = [&MSG; 8];
@@ -182,17 +186,12 @@ pub(crate) fn measure_batch(key: &super::KeyEntry) -> Option<Duration> {
         let ok = match &key.mb {
             MbKey::Rsa(k) => {
                 let keys = [&**k; 8];
-                let out = crate::mb::rsa::RsaBatch::sign_tls_with(
-                    crate::mb::Backend::Ifma,
-                    &keys,
-                    &msgs,
-                    &[alg; 8],
-                );
+                let out = crate::mb::rsa::RsaBatch::sign_tls_with(backend, &keys, &msgs, &[alg; 8]);
                 out.iter().all(|r| r.is_ok())
             }
             MbKey::Ec(k) => {
                 let keys = [k; 8];
-                let out = crate::mb::p256::sign_batch_with(crate::mb::Backend::Ifma, &keys, &msgs);
+                let out = crate::mb::p256::sign_batch_with(backend, &keys, &msgs);
                 out.iter().all(|r| r.is_ok())
             }
             MbKey::None => return None,

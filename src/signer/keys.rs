@@ -97,7 +97,7 @@ impl fmt::Debug for KeyEntry {
     }
 }
 
-fn classify(pkey: &PKey<Private>) -> (KeyClass, MbKey, String) {
+fn classify(pkey: &PKey<Private>, backend: crate::mb::Backend) -> (KeyClass, MbKey, String) {
     match pkey.id() {
         Id::RSA => {
             let Ok(rsa) = pkey.rsa() else {
@@ -105,11 +105,13 @@ fn classify(pkey: &PKey<Private>) -> (KeyClass, MbKey, String) {
             };
             match RsaPrivateKey::from_boring(&rsa) {
                 Ok(k) => {
-                    let route = k.route();
-                    let class = match (route.backend, k.bits()) {
-                        (crate::mb::Backend::Ifma, 2048) => KeyClass::Rsa2048,
-                        (crate::mb::Backend::Ifma, 3072) => KeyClass::Rsa3072,
-                        (crate::mb::Backend::Ifma, 4096) => KeyClass::Rsa4096,
+                    let route = k.route_on(backend);
+                    // IFMA, or the model test backend when forced: the same kernels, 8 lanes.
+                    let mb = route.backend.is_multi_buffer();
+                    let class = match (mb, k.bits()) {
+                        (true, 2048) => KeyClass::Rsa2048,
+                        (true, 3072) => KeyClass::Rsa3072,
+                        (true, 4096) => KeyClass::Rsa4096,
                         _ => KeyClass::Other,
                     };
                     let mb = if class == KeyClass::Other {
@@ -135,16 +137,29 @@ fn classify(pkey: &PKey<Private>) -> (KeyClass, MbKey, String) {
 }
 
 /// Live keys, by id. Holds weak references: the TLS contexts own the entries.
-#[derive(Default)]
 pub struct KeyTable {
     next: AtomicU64,
     keys: Mutex<HashMap<u64, Weak<KeyEntry>>>,
+    /// The signer's backend: keys are classified (batch class or single-op) for it.
+    backend: crate::mb::Backend,
+}
+
+impl Default for KeyTable {
+    /// A table for the process-wide backend ([`crate::mb::backend`]).
+    fn default() -> Self {
+        KeyTable::for_backend(crate::mb::backend())
+    }
 }
 
 impl KeyTable {
+    /// An empty table whose keys are classified for `backend`.
+    pub fn for_backend(backend: crate::mb::Backend) -> Self {
+        KeyTable { next: AtomicU64::new(0), keys: Mutex::new(HashMap::new()), backend }
+    }
+
     /// Registers `pkey`, doing the multi-buffer precomputation once.
     pub fn register(&self, pkey: PKey<Private>) -> Arc<KeyEntry> {
-        let (class, mb, route) = classify(&pkey);
+        let (class, mb, route) = classify(&pkey, self.backend);
         let id = self.next.fetch_add(1, Ordering::Relaxed) + 1;
         if class == KeyClass::Other {
             tracing::info!(key = id, reason = %route, "key signs through BoringSSL single-op (not eligible for the multi-buffer core)");

@@ -435,7 +435,7 @@ impl Shared {
 
     /// Whether a class forms multi-buffer batches at all on this signer.
     fn batches(&self, class: KeyClass) -> bool {
-        class != KeyClass::Other && self.cfg.backend == Backend::Ifma
+        class != KeyClass::Other && self.cfg.backend.is_multi_buffer()
     }
 
     /// Measures (once per kind) the single-op cost of `key`'s kind and, on the IFMA backend, the
@@ -454,10 +454,14 @@ impl Shared {
             let _ = key.single_op.set(c);
         }
         let c = key.class;
+        // The model test backend's pass (scalar code) says nothing about production: its classes
+        // keep the fallback rules (measured on IFMA), so the batch path runs as it would there.
         let class_pending = self.batches(c)
+            && !self.cfg.backend.is_test_only()
             && self.cal_scalar_below[c.index()].load(Ordering::Relaxed) == 0
             && cost.is_some();
-        let batch = if class_pending { calibrate::measure_batch(key) } else { None };
+        let batch =
+            if class_pending { calibrate::measure_batch(self.cfg.backend, key) } else { None };
         if !measured && batch.is_none() {
             return;
         }
@@ -538,6 +542,15 @@ impl Signer {
     /// Calibrates (a few milliseconds: see [`calibrate`]) and starts the signer threads.
     pub fn start(cfg: SignerConfig) -> Signer {
         let n = cfg.thread_count();
+        let cfg_backend = cfg.backend;
+        if cfg.backend.is_test_only() {
+            tracing::warn!(
+                backend = %cfg.backend,
+                "signer runs on the '{}' TEST backend: the portable model of the IFMA kernels \
+                 (scalar code, many times slower than BoringSSL); never use it in production",
+                cfg.backend
+            );
+        }
         let shared = Arc::new(Shared {
             cfg,
             queues: Mutex::new(Queues {
@@ -553,7 +566,7 @@ impl Signer {
             ready: Condvar::new(),
             full: Condvar::new(),
             metrics: SignerMetrics::default(),
-            keys: KeyTable::default(),
+            keys: KeyTable::for_backend(cfg_backend),
             batches: AtomicUsize::new(0),
             inject_panic: AtomicBool::new(false),
             inject_fault: std::sync::atomic::AtomicU8::new(0),
@@ -1039,7 +1052,7 @@ fn worker_loop(shared: &Shared) {
             panic!("injected signer panic (test hook)");
         }
         let single = !shared.batches(class) || batch.len() <= shared.scalar_below(class);
-        let backend = if single { Backend::Scalar } else { Backend::Ifma };
+        let backend = if single { Backend::Scalar } else { shared.cfg.backend };
         let start = Instant::now();
         let fault = shared.inject_fault.swap(0, Ordering::SeqCst);
         if fault != 0 {
@@ -1048,7 +1061,7 @@ fn worker_loop(shared: &Shared) {
         let results = if single {
             batch.iter().map(|r| sign_one(&r.key.pkey, &r.msg, r.alg)).collect()
         } else {
-            sign_batch(&batch)
+            sign_batch(backend, &batch)
         };
         computed_until = Some(Instant::now());
         let labels = OpLabels { algorithm: class.as_str(), backend: backend.as_str() };
@@ -1065,8 +1078,9 @@ fn worker_loop(shared: &Shared) {
     }
 }
 
-/// One multi-buffer pass over requests of one class.
-fn sign_batch(batch: &[Request]) -> Vec<Result<Vec<u8>, SignError>> {
+/// One multi-buffer pass over requests of one class, on `backend` (IFMA, or the model test
+/// backend when that was forced).
+fn sign_batch(backend: Backend, batch: &[Request]) -> Vec<Result<Vec<u8>, SignError>> {
     let msgs: Vec<&[u8]> = batch.iter().map(|r| r.msg.as_slice()).collect();
     let out: Vec<Result<Vec<u8>, MbError>> = match &batch[0].key.mb {
         MbKey::Rsa(_) => {
@@ -1078,7 +1092,7 @@ fn sign_batch(batch: &[Request]) -> Vec<Result<Vec<u8>, SignError>> {
                 })
                 .collect();
             let algs: Vec<_> = batch.iter().map(|r| r.alg).collect();
-            crate::mb::rsa::RsaBatch::sign_tls_with(Backend::Ifma, &keys, &msgs, &algs)
+            crate::mb::rsa::RsaBatch::sign_tls_with(backend, &keys, &msgs, &algs)
         }
         MbKey::Ec(_) => {
             let keys: Vec<_> = batch
@@ -1088,7 +1102,7 @@ fn sign_batch(batch: &[Request]) -> Vec<Result<Vec<u8>, SignError>> {
                     _ => unreachable!("queues hold one key class"),
                 })
                 .collect();
-            let mut out = crate::mb::p256::sign_batch_with(Backend::Ifma, &keys, &msgs);
+            let mut out = crate::mb::p256::sign_batch_with(backend, &keys, &msgs);
             for (o, r) in out.iter_mut().zip(batch) {
                 if r.alg != SslSignatureAlgorithm::ECDSA_SECP256R1_SHA256 {
                     *o = Err(MbError::Unsupported(format!("{:?}", r.alg)));
