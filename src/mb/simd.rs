@@ -143,29 +143,11 @@ impl U64x8 {
     }
 }
 
-/// With the `ifma-count` feature only (never in a product or timing build: a thread-local
-/// increment per IFMA would distort every timing): counts every `madd52lo` / `madd52hi` executed
-/// on this thread, so tests can check the exact IFMA count per batch that `mbtunnel speed`
-/// divides by (the kernels run a fixed instruction sequence per key size, so the count is a
-/// constant). `cargo test --release --lib --features ifma-count ifma_count` (run by `make test`).
+/// The instruction counter of the `ifma-count` feature lives with the portable model
+/// (`mb::simd_model::ifma_count`), which counts its own `madd52lo` / `madd52hi` the same way, so
+/// the exact count per batch is checked on both builds.
 #[cfg(feature = "ifma-count")]
-pub(crate) mod ifma_count {
-    use std::cell::Cell;
-
-    thread_local! {
-        static N: Cell<u64> = const { Cell::new(0) };
-    }
-
-    #[inline(always)]
-    pub fn bump() {
-        N.with(|n| n.set(n.get() + 1));
-    }
-
-    /// The count since the last `take` on this thread, and reset it.
-    pub fn take() -> u64 {
-        N.with(|n| n.replace(0))
-    }
-}
+pub(crate) use super::simd_model::ifma_count;
 
 /// The limb mask and the aligned load source are shared with the portable model
 /// (`mb::simd_model`), so data built for one build (e.g. the P-256 base table) serves both.

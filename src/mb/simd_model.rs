@@ -133,6 +133,8 @@ impl U64x8 {
     /// product of the low 52 bits of `b` and `c`, added to the full 64-bit lane, wrapping.
     #[inline(always)]
     pub fn madd52lo(self, b: Self, c: Self) -> Self {
+        #[cfg(feature = "ifma-count")]
+        ifma_count::bump();
         Self(core::array::from_fn(|i| {
             let p = (b.0[i] & MASK52) as u128 * (c.0[i] & MASK52) as u128;
             self.0[i].wrapping_add(p as u64 & MASK52)
@@ -143,6 +145,8 @@ impl U64x8 {
     /// added to the full 64-bit lane, wrapping.
     #[inline(always)]
     pub fn madd52hi(self, b: Self, c: Self) -> Self {
+        #[cfg(feature = "ifma-count")]
+        ifma_count::bump();
         Self(core::array::from_fn(|i| {
             let p = (b.0[i] & MASK52) as u128 * (c.0[i] & MASK52) as u128;
             self.0[i].wrapping_add((p >> 52) as u64)
@@ -203,6 +207,31 @@ impl U64x8 {
     #[inline(always)]
     pub fn load_aligned(a: &Aligned8) -> Self {
         Self(a.0)
+    }
+}
+
+/// With the `ifma-count` feature only (never in a product or timing build: a thread-local
+/// increment per IFMA would distort every timing): counts every `madd52lo` / `madd52hi` executed
+/// on this thread, by the IFMA wrapper (`mb::simd`) and by this model alike, so tests can check
+/// the exact IFMA count per batch that `mbtunnel speed`
+/// divides by (the kernels run a fixed instruction sequence per key size, so the count is a
+/// constant). `cargo test --release --lib --features ifma-count ifma_count` (run by `make test`).
+#[cfg(feature = "ifma-count")]
+pub(crate) mod ifma_count {
+    use std::cell::Cell;
+
+    thread_local! {
+        static N: Cell<u64> = const { Cell::new(0) };
+    }
+
+    #[inline(always)]
+    pub fn bump() {
+        N.with(|n| n.set(n.get() + 1));
+    }
+
+    /// The count since the last `take` on this thread, and reset it.
+    pub fn take() -> u64 {
+        N.with(|n| n.replace(0))
     }
 }
 

@@ -37,6 +37,49 @@ mod tests_ifma {
 }
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests_cross;
+#[cfg(all(test, feature = "ifma-count"))]
+mod count_tests {
+    use crate::mb::simd_model::ifma_count;
+    use crate::mb::Backend;
+
+    /// The exact IFMA count of one `sign8` pass, on the model (every CPU: the same kernel
+    /// source, so the same instruction sequence) and on the IFMA kernels where the CPU has them.
+    #[test]
+    fn ifma_count_per_batch_is_exact() {
+        let mut one = [0u8; 32];
+        one[31] = 1;
+        let d: [[u8; 32]; 8] = std::array::from_fn(|i| {
+            let mut x = one;
+            x[31] = 3 + i as u8;
+            x[0] = 0x11 * i as u8;
+            x
+        });
+        let k: [[u8; 32]; 8] = std::array::from_fn(|i| {
+            let mut x = one;
+            x[5] = 7 + i as u8;
+            x
+        });
+        let e = [[0x42u8; 32]; 8];
+        for backend in crate::mb::test_backends("IFMA count per P-256 batch") {
+            let sign8 = |d: &[[u8; 32]; 8], k: &[[u8; 32]; 8]| match backend {
+                #[cfg(target_arch = "x86_64")]
+                Backend::Ifma => {
+                    let cap = crate::mb::Ifma::detect().expect("test_backends checked");
+                    super::ifma::sign8(cap, d, &e, k)
+                }
+                _ => super::model::sign8(d, &e, k),
+            };
+            ifma_count::take();
+            let _ = sign8(&d, &k);
+            let n = ifma_count::take();
+            eprintln!("P-256 on {backend}: {n} IFMA per sign8");
+            assert_eq!(n, super::IFMA_PER_BATCH, "{backend}");
+            // Other inputs, same count.
+            let _ = sign8(&k, &d);
+            assert_eq!(ifma_count::take(), n, "{backend}");
+        }
+    }
+}
 
 /// An ECDSA P-256 private key ready for batch signing.
 ///
@@ -174,7 +217,7 @@ pub enum Nonces<'a> {
 /// IFMA instructions (`vpmadd52luq` + `vpmadd52huq`, eight lanes each) one 8-lane signing pass
 /// (`ifma::sign8`: base-point multiplication, the shared inversion, r and s) executes. A fixed
 /// sequence, so a constant; counted exactly and checked by
-/// `ifma_count_per_batch_is_exact` in `tests.rs`. (A lane whose r or s is zero reruns the
+/// `count_tests::ifma_count_per_batch_is_exact`. (A lane whose r or s is zero reruns the
 /// pass, probability ~2^-255.) Counted with the `ifma-count` feature.
 pub const IFMA_PER_BATCH: u64 = 58_310;
 

@@ -153,30 +153,3 @@ fn sign8_agrees() {
         }
     }
 }
-#[cfg(feature = "ifma-count")]
-#[test]
-fn ifma_count_per_batch_is_exact() {
-    let Some(cap) = crate::mb::require_ifma("IFMA count per P-256 batch") else { return };
-    let mut one = [0u8; 32];
-    one[31] = 1;
-    let d: [[u8; 32]; 8] = std::array::from_fn(|i| {
-        let mut x = one;
-        x[31] = 3 + i as u8;
-        x[0] = 0x11 * i as u8;
-        x
-    });
-    let k: [[u8; 32]; 8] = std::array::from_fn(|i| {
-        let mut x = one;
-        x[5] = 7 + i as u8;
-        x
-    });
-    let e = [[0x42u8; 32]; 8];
-    crate::mb::simd::ifma_count::take();
-    let _ = super::ifma::sign8(cap, &d, &e, &k);
-    let n = crate::mb::simd::ifma_count::take();
-    eprintln!("P-256: {n} IFMA per sign8");
-    assert_eq!(n, super::IFMA_PER_BATCH);
-    // Other inputs, same count.
-    let _ = super::ifma::sign8(cap, &k, &e, &d);
-    assert_eq!(crate::mb::simd::ifma_count::take(), n);
-}

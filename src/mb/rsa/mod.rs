@@ -364,7 +364,8 @@ pub(crate) fn ifma_k0(m0: u64) -> u64 {
 /// `bits`-bit keys executes: both CRT exponentiations, the conversions in and out of the
 /// Montgomery domain, Garner's recombination and the batched fault check. The kernels run one
 /// fixed instruction sequence per size, so this is a constant; it is counted exactly with the
-/// `ifma-count` feature (`simd::ifma_count`) and checked by `ifma_count_per_batch_is_exact`
+/// `ifma-count` feature (`simd_model::ifma_count`, which counts both builds) and checked by
+/// `ifma_count_per_batch_is_exact`
 /// below (`make test` runs it).
 /// `mbtunnel speed` divides it by the measured IFMA rate to give the share of the peak.
 pub fn ifma_per_batch(bits: usize) -> Option<u64> {
@@ -648,37 +649,40 @@ fn mb_batch(
         .collect()
 }
 
-#[cfg(all(test, target_arch = "x86_64", feature = "ifma-count"))]
+#[cfg(all(test, feature = "ifma-count"))]
 mod count_tests {
     use super::*;
+    use crate::mb::simd_model::ifma_count;
 
+    /// The exact count per batch, on the model (every CPU: it runs the same kernel source, so
+    /// the same instruction sequence) and on the IFMA kernels where the CPU has them.
     #[test]
     fn ifma_count_per_batch_is_exact() {
-        let Some(_) = crate::mb::require_ifma("IFMA count per RSA batch") else { return };
         let pems: [(usize, &str); 3] = [
             (2048, include_str!("../../../tests/data/rsa2048-1.pem")),
             (3072, include_str!("../../../tests/data/rsa3072-1.pem")),
             (4096, include_str!("../../../tests/data/rsa4096-1.pem")),
         ];
-        let mut counted = Vec::new();
-        for (bits, pem) in pems {
-            let key = RsaPrivateKey::from_pem(pem.as_bytes()).unwrap();
-            let keys = vec![&key; LANES];
-            let msgs: Vec<&[u8]> = vec![b"count"; LANES];
-            crate::mb::simd::ifma_count::take();
-            let r = RsaBatch::sign_with(Backend::Ifma, &keys, &msgs, Padding::Pkcs1Sha256);
-            let n = crate::mb::simd::ifma_count::take();
-            assert!(r.iter().all(|x| x.is_ok()));
-            eprintln!("RSA-{bits}: {n} IFMA per batch");
-            // A batch with one lane filled runs the same sequence.
-            crate::mb::simd::ifma_count::take();
-            let _ =
-                RsaBatch::sign_with(Backend::Ifma, &keys[..1], &msgs[..1], Padding::Pkcs1Sha256);
-            assert_eq!(crate::mb::simd::ifma_count::take(), n, "RSA-{bits}, one lane");
-            counted.push((bits, n));
-        }
-        for (bits, n) in counted {
-            assert_eq!(Some(n), ifma_per_batch(bits), "RSA-{bits}");
+        for backend in crate::mb::test_backends("IFMA count per RSA batch") {
+            let mut counted = Vec::new();
+            for (bits, pem) in pems {
+                let key = RsaPrivateKey::from_pem(pem.as_bytes()).unwrap();
+                let keys = vec![&key; LANES];
+                let msgs: Vec<&[u8]> = vec![b"count"; LANES];
+                ifma_count::take();
+                let r = RsaBatch::sign_with(backend, &keys, &msgs, Padding::Pkcs1Sha256);
+                let n = ifma_count::take();
+                assert!(r.iter().all(|x| x.is_ok()));
+                eprintln!("RSA-{bits} on {backend}: {n} IFMA per batch");
+                // A batch with one lane filled runs the same sequence.
+                ifma_count::take();
+                let _ = RsaBatch::sign_with(backend, &keys[..1], &msgs[..1], Padding::Pkcs1Sha256);
+                assert_eq!(ifma_count::take(), n, "RSA-{bits} on {backend}, one lane");
+                counted.push((bits, n));
+            }
+            for (bits, n) in counted {
+                assert_eq!(Some(n), ifma_per_batch(bits), "RSA-{bits} on {backend}");
+            }
         }
     }
 }
