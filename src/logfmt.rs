@@ -249,6 +249,8 @@ mod tests {
                 ),
             )
         };
+        // As in authz's tests: callsites cached on other test threads are asked again.
+        tracing::callsite::rebuild_interest_cache();
         let addr: std::net::SocketAddr = "10.0.0.1:40000".parse().unwrap();
         tracing::event!(target: "access", parent: None, tracing::Level::INFO, src.addr = %addr,
             src.workload = "client", bytes_sent = 5u64, duration = "3ms", "connection complete");

@@ -250,7 +250,13 @@ fn logs(f: impl FnOnce()) -> String {
         .with_ansi(false)
         .with_writer(move || w.clone())
         .finish();
-    tracing::subscriber::with_default(sub, f);
+    tracing::subscriber::with_default(sub, || {
+        // A callsite first reached on another test's thread, where no subscriber was set, may
+        // have cached "never" against a dispatcher list that changed meanwhile (tests run in
+        // parallel): ask every callsite again now that this thread has its subscriber.
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
     let out = buf.0.lock().unwrap().clone();
     String::from_utf8(out).unwrap()
 }
