@@ -66,6 +66,10 @@ enum Cmd {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        /// Without --compare: also write the table as a chart (SVG) to this file, signatures per
+        /// second of each backend per algorithm on a log axis, the ratio beside each pair.
+        #[arg(long)]
+        svg: Option<PathBuf>,
     },
     /// Benchmarks.
     #[command(subcommand)]
@@ -700,7 +704,11 @@ fn main() -> anyhow::Result<()> {
             crypto_mb_lib,
             no_openssl,
             json,
+            svg,
         } => {
+            if svg.is_some() {
+                anyhow::bail!("--svg charts the speed table; use it without --compare");
+            }
             let opts = mbtunnel::speed::compare::CompareOptions {
                 duration: std::time::Duration::from_secs_f64(seconds.max(0.05)),
                 rounds,
@@ -720,7 +728,7 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Speed { seconds, rounds, cpu, compare: None, json, .. } => {
+        Cmd::Speed { seconds, rounds, cpu, compare: None, json, svg, .. } => {
             let opts = mbtunnel::speed::SpeedOptions {
                 rounds,
                 cpu,
@@ -731,6 +739,11 @@ fn main() -> anyhow::Result<()> {
                 println!("{}", r.to_json());
             } else {
                 print!("{r}");
+            }
+            if let Some(path) = svg {
+                std::fs::write(&path, mbtunnel::speed::chart::svg(&r))
+                    .with_context(|| format!("cannot write the chart to {}", path.display()))?;
+                eprintln!("chart written to {}", path.display());
             }
             Ok(())
         }

@@ -8,6 +8,7 @@
 //! [`measure_ops`] without changing the report format. [`compare`] adds Intel's crypto_mb and
 //! OpenSSL's own figures (`mbtunnel speed --compare crypto-mb`).
 
+pub mod chart;
 pub mod compare;
 mod openssl;
 
