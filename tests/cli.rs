@@ -274,3 +274,18 @@ fn config_dump_and_log_never_show_the_token_or_header_values() {
     assert!(log.contains("drained"), "{log}");
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The portable model is a test backend: `doctor` names it when it is forced, says it is a test
+/// backend and warns; `auto` never picks it.
+#[test]
+fn doctor_names_a_forced_model_backend_and_warns() {
+    let out = bin().arg("doctor").env("MBTUNNEL_SIGNER_BACKEND", "model").output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("signer backend: model"), "{text}");
+    assert!(text.contains("TEST backend") && text.contains("never"), "{text}");
+    let out = bin().arg("doctor").env("MBTUNNEL_SIGNER_BACKEND", "auto").output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(!text.contains("signer backend: model"), "auto chose the model:\n{text}");
+}
