@@ -330,6 +330,29 @@ impl From<boring::error::ErrorStack> for MbError {
     }
 }
 
+/// Evaluates `$e` with `$k` bound to the model build (`super::model` where it is used), then (in
+/// `unsafe`: the caller checked the capability) to the IFMA build (`super::ifma`), and asserts
+/// the two results are equal. The kernels' cross tests (`rsa`, `p256`) share it.
+#[cfg(test)]
+macro_rules! both {
+    ($what:expr, $k:ident => $e:expr) => {{
+        let model = {
+            use super::model as $k;
+            $e
+        };
+        // SAFETY: every test obtains the `Ifma` capability before calling this.
+        #[allow(unused_unsafe)]
+        let ifma = unsafe {
+            use super::ifma as $k;
+            $e
+        };
+        assert!(model == ifma, "{}: model and IFMA builds differ", $what);
+        model
+    }};
+}
+#[cfg(test)]
+pub(crate) use both;
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,24 +10,7 @@ use rand_chacha::ChaCha20Rng;
 
 use super::limbs::{bytes_to_limbs, MASK52_LIMBS};
 
-/// Evaluates `$e` with `$k` bound to the model build, then (in `unsafe`: the caller checked the
-/// capability) to the IFMA build, and asserts the two results are equal.
-macro_rules! both {
-    ($what:expr, $k:ident => $e:expr) => {{
-        let model = {
-            use super::model as $k;
-            $e
-        };
-        // SAFETY: every test obtains the `Ifma` capability before calling this.
-        #[allow(unused_unsafe)]
-        let ifma = unsafe {
-            use super::ifma as $k;
-            $e
-        };
-        assert!(model == ifma, "{}: model and IFMA builds differ", $what);
-        model
-    }};
-}
+use crate::mb::both;
 
 fn ifma_here(what: &str) -> bool {
     crate::mb::require_ifma(&format!("P-256 model vs IFMA: {what}")).is_some()

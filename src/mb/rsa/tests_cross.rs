@@ -12,24 +12,7 @@ use super::{BatchOut, LaneKey};
 
 const M52: u64 = (1 << 52) - 1;
 
-/// Evaluates `$e` with `$k` bound to the model build, then (in `unsafe`: the caller checked the
-/// capability) to the IFMA build, and asserts the two results are equal.
-macro_rules! both {
-    ($what:expr, $k:ident => $e:expr) => {{
-        let model = {
-            use super::model as $k;
-            $e
-        };
-        // SAFETY: every test obtains the `Ifma` capability before calling this.
-        #[allow(unused_unsafe)]
-        let ifma = unsafe {
-            use super::ifma as $k;
-            $e
-        };
-        assert!(model == ifma, "{}: model and IFMA builds differ", $what);
-        model
-    }};
-}
+use crate::mb::both;
 
 fn ifma_here(what: &str) -> bool {
     crate::mb::require_ifma(&format!("RSA model vs IFMA: {what}")).is_some()
