@@ -284,6 +284,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     }
     let inpod_metrics =
         cfg.inpod_enabled.then(|| crate::inpod::InPodMetrics::register(&mut registry));
+    let trim_metrics = crate::memtrim::TrimMetrics::register(&mut registry);
     crate::metrics::register_build(
         &mut registry,
         std::env::var(crate::config::env::ISTIO_VERSION).ok(),
@@ -358,6 +359,7 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
         )));
     }
     tasks.push(tokio::spawn(store.clone().run_renewal()));
+    tasks.push(tokio::spawn(crate::memtrim::run(trim_metrics)));
     tasks.push(tokio::spawn(proxy::run_recheck(ctx.clone())));
     let zds_ready = Arc::new(AtomicBool::new(!cfg.inpod_enabled));
     let inpod = inpod_metrics.map(|m| Arc::new(InPod::new(ctx.clone(), store.clone(), m)));

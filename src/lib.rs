@@ -16,6 +16,7 @@ pub mod inpod;
 pub mod logbuf;
 pub mod logfmt;
 pub mod mb;
+pub mod memtrim;
 pub mod metrics;
 pub mod net;
 pub mod proto;

@@ -252,6 +252,10 @@ fn access_lines_metric_families_and_readiness_are_ztunnels() {
         "the client's socket is closed: {ours}"
     );
     assert!(ours.contains("istio_build{component=\"ztunnel\",tag=\"unknown\"} 1"), "{ours}");
+    // What the heap trims gave back (glibc builds).
+    for family in ["mbtunnel_memory_trims", "mbtunnel_memory_released_bytes"] {
+        assert!(ours.contains(&format!("# TYPE {family} counter")), "no {family}: {ours}");
+    }
     drop((a, b));
     let _ = std::fs::remove_dir_all(&dir);
 

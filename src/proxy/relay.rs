@@ -22,7 +22,7 @@ struct Half {
     buf: bytes::BytesMut,
     /// Read and not yet written.
     chunk: bytes::Bytes,
-    /// Size of the next read: doubles while reads fill it, up to [`MAX_READ`].
+    /// Size of the next read: follows the traffic ([`next_read_size`]).
     want: usize,
     written: u64,
     eof: bool,
@@ -30,10 +30,25 @@ struct Half {
     done: bool,
 }
 
-/// First read of a connection; reads grow from here while they fill, and do not shrink back.
+/// First and smallest read of a connection.
 const MIN_READ: usize = 16 * 1024;
 /// Largest read: one chunk handed to the other leg at once (an h2 DATA frame on HBONE).
 const MAX_READ: usize = 256 * 1024;
+
+/// The size of the read after one that asked for `want` bytes and got `got`: twice as large
+/// after a read that filled it (more is waiting), half as large (not below [`MIN_READ`]) after
+/// one that filled less than a quarter of it, so a connection that goes back to small messages
+/// after a burst goes back to small buffers too. Each read allocates what it asks for, and a
+/// chunk keeps its allocation until the other leg has written it.
+fn next_read_size(want: usize, got: usize) -> usize {
+    if got >= want {
+        (want * 2).min(MAX_READ)
+    } else if got < want / 4 {
+        (want / 2).max(MIN_READ)
+    } else {
+        want
+    }
+}
 
 impl Half {
     fn new() -> Half {
@@ -60,10 +75,7 @@ impl Half {
             if self.chunk.is_empty() && !self.eof {
                 match r.poll_read_chunk(cx, &mut self.buf, self.want) {
                     Poll::Ready(Ok(Some(c))) => {
-                        // A read that filled its buffer suggests more is waiting: read more.
-                        if c.len() >= self.want {
-                            self.want = (self.want * 2).min(MAX_READ);
-                        }
+                        self.want = next_read_size(self.want, c.len());
                         self.chunk = c;
                     }
                     Poll::Ready(Ok(None)) => self.eof = true,
@@ -312,6 +324,26 @@ mod tests {
     ) -> (tokio::net::TcpStream, tokio::net::TcpStream) {
         let c = tokio::net::TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         (c, l.accept().await.unwrap().0)
+    }
+
+    /// Reads grow while they fill, up to the largest, and come back down to the smallest once
+    /// the traffic is small again (a burst does not leave 256 KiB reads behind).
+    #[test]
+    fn read_size_follows_the_traffic() {
+        let mut want = MIN_READ;
+        for _ in 0..10 {
+            want = next_read_size(want, want);
+        }
+        assert_eq!(want, MAX_READ);
+        // A read that filled a third of it keeps the size.
+        assert_eq!(next_read_size(want, want / 3), MAX_READ);
+        let mut steps = 0;
+        while want > MIN_READ {
+            want = next_read_size(want, 1024);
+            steps += 1;
+        }
+        assert_eq!((want, steps), (MIN_READ, 4));
+        assert_eq!(next_read_size(MIN_READ, 10), MIN_READ);
     }
 
     /// `copy_both` polls its stop future only when that future woke it: a stop that fires
