@@ -151,20 +151,27 @@ async fn new_socket(v6: bool, netns: Option<&Netns>) -> std::io::Result<TcpSocke
 
 /// A listener inside `netns` on `addr` (in-pod mode).
 pub async fn listen_in(netns: &Netns, addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let s = netns
-        .run(move || {
-            let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-            s.set_reuse_address(true)?;
-            if addr.is_ipv6() {
-                s.set_only_v6(true)?;
-            }
-            s.set_nonblocking(true)?;
-            s.bind(&addr.into())?;
-            s.listen(backlog())?;
-            Ok::<_, std::io::Error>(s)
-        })
-        .await??;
+    let s = netns.run(move || pod_listener(addr)).await??;
     TcpListener::from_std(s.into())
+}
+
+/// A pod's listener, in the calling thread's namespace: `SO_REUSEADDR` and `SO_REUSEPORT`, as
+/// ztunnel's in-pod listeners (its `INPOD_PORT_REUSE`, on by default). The port is shared with
+/// whichever node proxy listened there before: its connections left in TIME-WAIT (which keep the
+/// socket options of the listener that accepted them, and a ztunnel's carry `SO_REUSEPORT` only)
+/// do not keep this proxy out of the pod for a minute, and an old and a new proxy can both listen
+/// while one replaces the other.
+fn pod_listener(addr: SocketAddr) -> std::io::Result<Socket> {
+    let s = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    s.set_reuse_address(true)?;
+    s.set_reuse_port(true)?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true)?;
+    }
+    s.set_nonblocking(true)?;
+    s.bind(&addr.into())?;
+    s.listen(backlog())?;
+    Ok(s)
 }
 
 /// A UDP socket bound to `addr` inside `netns` (the proxy's own namespace when `None`).
@@ -269,6 +276,30 @@ mod tests {
         // TPROXY / eBPF assignment / no conntrack: no original destination at all.
         let untracked = Addresses { local, original: None };
         assert_eq!((untracked.redirected(), untracked.destination()), (None, local));
+    }
+
+    /// A proxy that listened on a pod's port before (ztunnel: `SO_REUSEPORT` only) and closed
+    /// connections there leaves them in TIME-WAIT on that port; the pod's next listener must
+    /// still bind (without `SO_REUSEPORT` it fails with EADDRINUSE for the TIME-WAIT minute).
+    #[test]
+    fn a_pod_listener_binds_over_a_previous_proxys_time_wait() {
+        use std::io::Read;
+        let before = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).unwrap();
+        before.set_reuse_port(true).unwrap();
+        before.bind(&"127.0.0.1:0".parse::<SocketAddr>().unwrap().into()).unwrap();
+        before.listen(16).unwrap();
+        let addr = before.local_addr().unwrap().as_socket().unwrap();
+        let l = std::net::TcpListener::from(before);
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        let (s, _) = l.accept().unwrap();
+        // The proxy's side closes first, so the TIME-WAIT is on the listener's port.
+        drop(s);
+        let mut end = [0u8; 1];
+        assert_eq!(c.read(&mut end).unwrap(), 0);
+        drop(c);
+        drop(l);
+        let again = pod_listener(addr).expect("the pod's port is held by a TIME-WAIT");
+        assert_eq!(again.local_addr().unwrap().as_socket(), Some(addr));
     }
 
     #[tokio::test]
