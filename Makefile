@@ -2,7 +2,7 @@
 CARGO ?= cargo
 export CARGO_TERM_COLOR ?= never
 
-.PHONY: deps test-deps build demo test lint bench bench-dataplane speed clean image validate-deploy fuzz fuzz-smoke
+.PHONY: deps test-deps build demo test lint bench bench-dataplane bench-hsstorm speed clean image validate-deploy fuzz fuzz-smoke
 
 deps:
 	@./scripts/deps.sh
@@ -44,6 +44,14 @@ bench-dataplane:
 	./scripts/bench-deps.sh
 	$(CARGO) build --profile dist --locked --bin mbtunnel
 	./benches/dataplane.sh
+
+# Handshake-bound traffic between two nodes, N client identities in pods (root; issue 35):
+# mbtunnel pair vs ztunnel pair, resumption on/off, P-256 and RSA-2048 workload keys. NS, ROUNDS,
+# CONC, ... as documented at the top of benches/hsstorm.sh.
+bench-hsstorm:
+	./scripts/bench-deps.sh
+	$(CARGO) build --profile dist --locked --bin mbtunnel
+	./benches/hsstorm.sh
 
 clean:
 	$(CARGO) clean

@@ -20,9 +20,13 @@
 #   wrk     wrk -c 16, the same request                           → max req/s, CPU-s per 1000 req
 #   cpr     wrk -c 16 with "Connection: close": a new TCP connection per request, through the
 #           pooled HBONE connection                               → conn/s
-#   hs      HS_PROCS × `openssl s_time -new` straight to the server proxy's 15008 with a client
-#           leaf from the shared root (SPIFFE id of default/client) → handshakes/s, server CPU
-#           per handshake
+#   hs      HS_PROCS × `openssl s_time -new -www /` straight to the server proxy's 15008 with a
+#           client leaf from the shared root (SPIFFE id of default/client): a full mTLS handshake,
+#           then the client sends a request and reads until the server closes, so the work after
+#           the handshake (h2 preface, close_notify) counts too → handshakes/s, server CPU per
+#           handshake
+#   hsn     the same without `-www`: s_time closes right after its Finished (supporting row: the
+#           difference is the post-handshake work)
 #   hsr     the same with `openssl s_time -reuse -www /`: each client would reuse its session if
 #           the server sent it a TLS 1.3 ticket. Neither does: ztunnel sends none, mbtunnel sends
 #           them only to mbtunnel peers (clients offering its `mbtunnel-tickets` ALPN token, which
@@ -31,7 +35,8 @@
 #           client receives its ticket; the HBONE server answers the HTTP/1.0 GET by closing.
 #                                                             → handshakes/s, share resumed
 # (GB = 10^9 bytes received by iperf3; "proxy CPU" = utime+stime of both proxies from
-# /proc/PID/stat, summed; RSS = VmRSS from /proc/PID/status, read 3/4 into the fixed-rate run.)
+# /proc/PID/stat, summed; RSS = VmRSS from /proc/PID/status, read 3/4 into the fixed-rate run, and
+# after the last workload once the proxies have idled IDLE_SECS seconds: what a burst leaves behind.)
 #
 # Quiet machine: before each product's run the machine must be idle (at most QUIET_MAX CPUs busy
 # over QUIET_SECS, waiting up to QUIET_WAIT seconds), and during each workload the CPU used by
@@ -44,14 +49,14 @@
 # benches/README.md (README_WRITE=0 to skip; README_FILE to choose).
 #
 # Environment: BIN (mbtunnel; default target/dist/mbtunnel, the profile the image ships, built
-# with `cargo build --profile dist` if missing), ROUNDS=5, SECS=5, RATE=1000, CONNS=16, HS_PROCS=4, QUIET_MAX=0.25, QUIET_SECS=2,
+# with `cargo build --profile dist` if missing), ROUNDS=5, SECS=5, IDLE_SECS=12, RATE=1000, CONNS=16, HS_PROCS=4, QUIET_MAX=0.25, QUIET_SECS=2,
 # QUIET_WAIT=30, RETRIES=2, PRODUCTS="ztunnel mbtunnel", MBT_LOG / ZT_LOG (RUST_LOG of each; default:
 # the product's own default), KEEP=1 keeps the work directory (logs, raw outputs).
 set -euo pipefail
 BIN=${BIN:-target/dist/mbtunnel}
 [ -e "$BIN" ] && BIN=$(realpath "$BIN")     # before the cd below: BIN may be relative to the caller
 cd "$(dirname "$0")/.."
-ROUNDS=${ROUNDS:-5}; SECS=${SECS:-5}; RATE=${RATE:-1000}; CONNS=${CONNS:-16}; HS_PROCS=${HS_PROCS:-4}
+ROUNDS=${ROUNDS:-5}; SECS=${SECS:-5}; IDLE_SECS=${IDLE_SECS:-12}; RATE=${RATE:-1000}; CONNS=${CONNS:-16}; HS_PROCS=${HS_PROCS:-4}
 QUIET_MAX=${QUIET_MAX:-0.25}; QUIET_SECS=${QUIET_SECS:-2}; QUIET_WAIT=${QUIET_WAIT:-30}
 RETRIES=${RETRIES:-2}; README_WRITE=${README_WRITE:-1}; README_FILE=${README_FILE:-benches/README.md}
 PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
@@ -225,9 +230,10 @@ run_product() { # product round attempt → dir in RUN_DIR
   measure "$dir" cpr -1 ip netns exec "$A" wrk -t 2 -c "$CONNS" -d "${SECS}s" -s "$WORK/post-close.lua" "http://$IP_B/"
   local tw_a tw_b   # sockets left in TIME-WAIT by the connection-per-request run (port room)
   tw_a=$(nsx "$A" ss -Htan state time-wait | wc -l); tw_b=$(nsx "$B" ss -Htan state time-wait | wc -l)
-  local i hs_cmd=""
+  local i hs_cmd="" hsn_cmd=""
   for i in $(seq 1 "$HS_PROCS"); do
-    hs_cmd+="openssl s_time -connect $IP_B:15008 -new -time $SECS -cert $WORK/hs-cert.pem -key $WORK/hs-key.pem > $dir/hs-$i.out 2>&1 & "
+    hs_cmd+="openssl s_time -connect $IP_B:15008 -new -www / -time $SECS -cert $WORK/hs-cert.pem -key $WORK/hs-key.pem > $dir/hs-$i.out 2>&1 & "
+    hsn_cmd+="openssl s_time -connect $IP_B:15008 -new -time $SECS -cert $WORK/hs-cert.pem -key $WORK/hs-key.pem > $dir/hsn-$i.out 2>&1 & "
   done
   # One s_client with the same leaf first: what s_time's handshakes negotiate, and whether the
   # server accepts the leaf (a refused client certificate shows as an alert; s_time cannot tell,
@@ -261,6 +267,7 @@ run_product() { # product round attempt → dir in RUN_DIR
     ref1=$(tls_refusals)
     rej=$(( ${ref1% *} - ${ref0% *} )); rst=$(( ${ref1#* } - ${ref0#* } ))
   fi
+  measure "$dir" hsn -1 ip netns exec "$A" bash -c "$hsn_cmd wait"
   local hsr_cmd=""
   for i in $(seq 1 "$HS_PROCS"); do
     hsr_cmd+="openssl s_time -connect $IP_B:15008 -reuse -www / -time $SECS -cert $WORK/hs-cert.pem -key $WORK/hs-key.pem > $dir/hsr-$i.out 2>&1 & "
@@ -270,22 +277,27 @@ run_product() { # product round attempt → dir in RUN_DIR
   local mtls
   mtls=$(get "$B" http://127.0.0.1:15020/metrics | grep '^istio_tcp_connections_opened_total' \
          | grep 'connection_security_policy="mutual_tls"' | awk '{s += $NF} END {print s + 0}')
-  local rss_c rss_s
+  local rss_c rss_s rss_ic rss_is
   rss_c=$(awk '/^VmRSS/ {print $2}' "/proc/$CPID/status"); rss_s=$(awk '/^VmRSS/ {print $2}' "/proc/$SPID/status")
+  # What the sequence leaves behind once the proxies idle (ztunnel's jemalloc purges unused pages
+  # after 10 s, mbtunnel trims its heap every 10 s).
+  sleep "$IDLE_SECS"
+  rss_ic=$(awk '/^VmRSS/ {print $2}' "/proc/$CPID/status"); rss_is=$(awk '/^VmRSS/ {print $2}' "/proc/$SPID/status")
   stop "$CPID"; stop "$SPID"
   nodes_down
   cat > "$dir/meta.json" <<JSON
 {"product": "$prod", "round": $2, "attempt": $3, "quiet_pre": $QUIET_PRE, "secs": $SECS,
  "hs_procs": $HS_PROCS, "hs_negotiated": "$neg", "hs_tickets": $tickets, "rate": $RATE, "conns": $CONNS, "server_mtls_connections": $mtls,
  "hs_leaf_accepted": $accepted, "hs_server_rejections": $rej, "hs_server_resets": $rst, "time_wait_a": $tw_a, "time_wait_b": $tw_b,
- "rss_end_client_kib": ${rss_c:-0}, "rss_end_server_kib": ${rss_s:-0}}
+ "rss_end_client_kib": ${rss_c:-0}, "rss_end_server_kib": ${rss_s:-0},
+ "rss_idle_client_kib": ${rss_ic:-0}, "rss_idle_server_kib": ${rss_is:-0}, "idle_secs": $IDLE_SECS}
 JSON
 }
 
 # --- rounds ----------------------------------------------------------------------------------------
 read -r -a PLIST <<<"$PRODUCTS"
 say "BIN=$BIN${ZT:+  ZT=$ZT}"
-say "ROUNDS=$ROUNDS SECS=$SECS RATE=$RATE CONNS=$CONNS HS_PROCS=$HS_PROCS QUIET_MAX=$QUIET_MAX RETRIES=$RETRIES"
+say "ROUNDS=$ROUNDS SECS=$SECS IDLE_SECS=$IDLE_SECS RATE=$RATE CONNS=$CONNS HS_PROCS=$HS_PROCS QUIET_MAX=$QUIET_MAX RETRIES=$RETRIES"
 for r in $(seq 1 "$ROUNDS"); do
   order=("${PLIST[@]}")
   if [ $((r % 2)) = 0 ] && [ "${#PLIST[@]}" = 2 ]; then order=("${PLIST[1]}" "${PLIST[0]}"); fi
@@ -312,7 +324,7 @@ CPU_MOD=$(lscpu | awk -F: '/^Model:/ {gsub(/ /, "", $2); print $2; exit}')
 HYP=$(lscpu | awk -F: '/^Hypervisor vendor/ {gsub(/ /, "", $2); print $2; exit}')
 CPU_DESC="$CPU_NAME (family $CPU_FAM, model $CPU_MOD), $(nproc) vCPUs${HYP:+ under $HYP}, kernel $(uname -r)"
 CMD=""
-for v in ROUNDS SECS RATE CONNS HS_PROCS QUIET_MAX RETRIES; do CMD+="$v=${!v} "; done
+for v in ROUNDS SECS IDLE_SECS RATE CONNS HS_PROCS QUIET_MAX RETRIES; do CMD+="$v=${!v} "; done
 CMD+="benches/dataplane.sh"
 "$PY" benches/lib/dataplane_report.py table "$WORK/runs" \
   --cpu "$CPU_DESC" --command "$CMD" --date "$(date -u +%F)" \

@@ -482,19 +482,36 @@ enum Tool {
     Cni {
         #[arg(long)]
         socket: PathBuf,
-        /// uid=NETNS_PATH, e.g. client-1=/var/run/netns/pod-a (repeatable).
-        #[arg(long = "pod", value_parser = parse_pod)]
-        pods: Vec<(String, PathBuf)>,
+        /// uid=NETNS_PATH[=namespace/name/service_account], e.g. client-1=/var/run/netns/pod-a
+        /// (repeatable). The workload information is sent with the pod (ztunnel requires it).
+        #[arg(long = "pod")]
+        pods: Vec<mbtunnel::devtools::CniPod>,
+        /// A file of pods, one per line in the `--pod` syntax.
+        #[arg(long)]
+        pods_file: Option<PathBuf>,
         #[arg(long, default_value = "iptables")]
         redirect: mbtunnel::redirect::Backend,
+        /// One line per connection once every pod is acknowledged, instead of one per ack.
+        #[arg(long)]
+        quiet: bool,
     },
-}
-
-fn parse_pod(s: &str) -> Result<(String, PathBuf), String> {
-    match s.split_once('=') {
-        Some((uid, path)) if !uid.is_empty() && !path.is_empty() => Ok((uid.into(), path.into())),
-        _ => Err(format!("'{s}' is not uid=/path/to/netns")),
-    }
+    /// A handshake storm: from each pod of `--pods-file` (the `tool cni` syntax), one connection
+    /// to `--connect` from inside the pod's namespace, `--concurrency` at a time; prints one JSON
+    /// line (connections, failures, connections per second, latency).
+    Storm {
+        #[arg(long)]
+        pods_file: PathBuf,
+        #[arg(long)]
+        connect: SocketAddr,
+        #[arg(long, default_value_t = 64)]
+        concurrency: usize,
+        /// What each connection sends (`\r\n` for CRLF).
+        #[arg(long, default_value = "GET / HTTP/1.0\\r\\n\\r\\n")]
+        request: String,
+        /// How the answer must start.
+        #[arg(long, default_value = "HTTP/1.1 200")]
+        expect: String,
+    },
 }
 
 type FilterHandle = reload::Handle<EnvFilter, tracing_subscriber::Registry>;
@@ -680,7 +697,19 @@ async fn tool(t: Tool) -> anyhow::Result<()> {
             println!("{}", tools::to_json(&m));
             Ok(())
         }
-        Tool::Cni { socket, pods, redirect } => devtools::fake_cni(socket, pods, redirect).await,
+        Tool::Cni { socket, mut pods, pods_file, redirect, quiet } => {
+            if let Some(f) = pods_file {
+                pods.extend(devtools::read_pods(&f)?);
+            }
+            devtools::fake_cni(socket, pods, redirect, quiet).await
+        }
+        Tool::Storm { pods_file, connect, concurrency, request, expect } => {
+            let pods = devtools::read_pods(&pods_file)?;
+            tokio::task::spawn_blocking(move || {
+                devtools::storm(pods, connect, concurrency, &request, &expect)
+            })
+            .await?
+        }
         Tool::Send { connect, bind, bytes } => devtools::send(connect, bind, bytes).await,
     }
 }

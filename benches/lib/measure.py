@@ -16,6 +16,8 @@
         steal           steal seconds / wall (the hypervisor gave the CPU to someone else)
         rss_client_kib  VmRSS of each proxy (/proc/PID/status), read at --rss-at seconds into
         rss_server_kib  the run (default: at the end, before CMD's exit is noticed)
+        csw_client      context switches (voluntary + involuntary, summed over the process's
+        csw_server      threads from /proc/PID/task/*/status) of each proxy during the run
         rc              CMD's exit status
   measure.py idle --secs S
       Prints {"foreign": CPUs busy (user+nice+system+irq+softirq, all processes) / S, "steal": ...}.
@@ -105,6 +107,23 @@ def rss_kib(pid):
     return 0
 
 
+def ctx_switches(pid):
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
 def run(argv):
     opts = {"--apps": "", "--rss-at": "-1"}
     i = 0
@@ -122,6 +141,7 @@ def run(argv):
         rss["client"], rss["server"] = rss_kib(client), rss_kib(server)
 
     c0, s0 = proc_cpu(client), proc_cpu(server)
+    x0 = ctx_switches(client), ctx_switches(server)
     a0 = sum(proc_cpu(p) for p in apps)
     k0 = sum(proc_cpu(p) for p in ksirq)
     b0, st0 = stat_cpu()
@@ -139,6 +159,7 @@ def run(argv):
     if "client" not in rss:
         sample_rss()
     c1, s1 = proc_cpu(client), proc_cpu(server)
+    x1 = ctx_switches(client), ctx_switches(server)
     a1 = sum(proc_cpu(p) for p in apps)
     k1 = sum(proc_cpu(p) for p in ksirq)
     b1, st1 = stat_cpu()
@@ -155,6 +176,8 @@ def run(argv):
         "steal": (st1 - st0) / wall,
         "rss_client_kib": rss["client"],
         "rss_server_kib": rss["server"],
+        "csw_client": x1[0] - x0[0],
+        "csw_server": x1[1] - x0[1],
         "rc": rc,
     }
     ours = r["cpu_client"] + r["cpu_server"] + r["cpu_apps"] + r["cpu_loadgen"] + r["cpu_ksoftirqd"]
