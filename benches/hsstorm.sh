@@ -30,9 +30,12 @@
 # workload keys, each with tls_resumption on (its default) and off. Both products otherwise at
 # their defaults.
 #
-# Environment: BIN (default target/dist/mbtunnel, built if missing), NS="200 2000", ROUNDS=3,
+# Environment: BIN (default target/dist/mbtunnel, built if missing), NS="200 2000" (NxR: N pods,
+# R rounds, e.g. "200x3 2000x1"), ROUNDS=3 (for an N without its own),
 # CONC=64, POOL_IDLE=2, CONFIGS (default: all five: ztunnel mbt-p256 mbt-p256-nores mbt-rsa
-# mbt-rsa-nores), README_WRITE=1, README_FILE=benches/README.md, KEEP=1 keeps the work directory.
+# mbt-rsa-nores), README_WRITE=1, README_FILE=benches/README.md, KEEP=1 keeps the work directory,
+# PERF=1 records `perf record -g` of both proxies during each storm into the run's directory
+# (profiles only: the recording costs CPU, so its figures are not for the table; with KEEP=1).
 set -euo pipefail
 BIN=${BIN:-target/dist/mbtunnel}
 [ -e "$BIN" ] && BIN=$(realpath "$BIN")
@@ -228,9 +231,17 @@ print(sum(1 for c in d.get("certificates", []) if c.get("state") == "Available" 
 }
 
 storm() { # dir name
+  local perf=()
+  if [ "${PERF:-0}" = 1 ]; then
+    perf record -F 1999 -g -p "$CPID" -o "$1/$2-client.perf" >/dev/null 2>&1 & perf+=($!)
+    perf record -F 1999 -g -p "$SPID" -o "$1/$2-server.perf" >/dev/null 2>&1 & perf+=($!)
+    sleep 1
+  fi
   "$PY" benches/lib/measure.py run --client "$CPID" --server "$SPID" --apps "$NGINX_PID" \
     --out "$1/$2.out" -- "$BIN" tool storm --pods-file "$WORK/pods.txt" --connect "$IP_B:80" \
     --concurrency "$CONC" > "$1/$2.json"
+  local p
+  for p in "${perf[@]}"; do kill -INT "$p"; wait "$p" || true; done
 }
 
 run_config() { # cfg n round → dir
@@ -251,14 +262,16 @@ JSON
 read -r -a CLIST <<<"$CONFIGS"
 say "BIN=$BIN${ZT:+  ZT=$ZT}"
 say "NS=$NS ROUNDS=$ROUNDS CONC=$CONC POOL_IDLE=$POOL_IDLE CONFIGS=$CONFIGS"
-for n in $NS; do
-  say "N=$n: $n pod namespaces on node A"
+for item in $NS; do
+  n=${item%x*}; rounds=$ROUNDS
+  [ "$item" != "$n" ] && rounds=${item#*x}
+  say "N=$n: $n pod namespaces on node A, $rounds rounds"
   nodes_up "$n"
-  for r in $(seq 1 "$ROUNDS"); do
+  for r in $(seq 1 "$rounds"); do
     # Rotate the order each round, so no configuration always runs first.
     order=("${CLIST[@]:$(( (r - 1) % ${#CLIST[@]} ))}" "${CLIST[@]:0:$(( (r - 1) % ${#CLIST[@]} ))}")
     for cfg in "${order[@]}"; do
-      say "N=$n round $r/$ROUNDS $cfg"
+      say "N=$n round $r/$rounds $cfg"
       run_config "$cfg" "$n" "$r" || { say "  $cfg: run failed"; tail -n 20 "$WORK/runs/n$n-$cfg-r$r"/*.log; exit 1; }
       "$PY" -c '
 import json, sys

@@ -349,13 +349,26 @@ pub async fn start(cfg: Config, log: Option<LogControl>) -> anyhow::Result<Runni
     // Certificates for the local workloads as they come and go; ready once all are held.
     let (certs_ready_tx, certs_ready) = tokio::sync::watch::channel(false);
     {
-        let tls = ctx.tls.clone();
+        let (tls, warm) = (ctx.tls.clone(), ctx.tls.clone());
+        // Contexts for new certificates are built on a blocking thread, not on a worker during
+        // the identity's first handshake; one build pass at a time, on the latest list.
+        let (held_tx, mut held_rx) = tokio::sync::watch::channel(Vec::new());
+        tasks.push(tokio::spawn(async move {
+            while held_rx.changed().await.is_ok() {
+                let ids = held_rx.borrow_and_update().clone();
+                let warm = warm.clone();
+                let _ = tokio::task::spawn_blocking(move || warm.warm(&ids)).await;
+            }
+        }));
         tasks.push(tokio::spawn(crate::identity::manager::run(
             state.clone(),
             store.clone(),
             xds_ready.clone(),
             certs_ready_tx,
             Arc::new(move |id| tls.forget(id)),
+            Arc::new(move |ids| {
+                held_tx.send_replace(ids);
+            }),
         )));
     }
     tasks.push(tokio::spawn(store.clone().run_renewal()));

@@ -394,6 +394,8 @@ async fn local_file_reload_applies_changes_and_keeps_state_on_errors() {
         format!("spiffe://cluster.local/ns/demo/sa/{sa}").parse().unwrap()
     };
     assert!(r.store.current(&id("a")).is_some());
+    // Its TLS contexts are built as its certificate arrives, before any connection needs them.
+    assert!(wait_for(|| r.ctx.tls.cached_sessions(&id("a")).is_some()).await);
     // Replace a with b.
     std::fs::write(
         &file,
@@ -408,6 +410,12 @@ async fn local_file_reload_applies_changes_and_keeps_state_on_errors() {
             .await
     );
     assert!(r.ctx.state.workload_by_uid("a").is_none());
+    assert!(
+        wait_for(|| r.ctx.tls.cached_sessions(&id("b")).is_some()
+            && r.ctx.tls.cached_sessions(&id("a")).is_none())
+        .await,
+        "b's contexts built ahead, a's forgotten"
+    );
     // An invalid file: reported, nothing changes.
     std::fs::write(&file, format!("{base}  - {{uid: c, name: c, ips: []}}\n")).unwrap();
     tokio::time::sleep(Duration::from_millis(2500)).await;

@@ -86,7 +86,6 @@ def main(argv):
         i += 2
     data, problems = collect(runs)
     ns = sorted({k[0] for k in data})
-    rounds = max((len(v) for v in data.values()), default=0)
     conc = next((json.load(open(m)).get("conc") for m in glob.glob(os.path.join(runs, "*/meta.json"))), "?")
     lines = ["## Handshake-bound traffic between two nodes (`benches/hsstorm.sh`)", ""]
     lines.append("Measured %s on %s. Command: `%s` (as root). mbtunnel: `%s`; ztunnel: %s." % (
@@ -95,14 +94,14 @@ def main(argv):
     if opts.get("note"):
         lines += ["", "**%s.**" % opts["note"]]
     lines += ["", "N client identities (one pod each, in-pod redirection on node A) each open one "
-              "connection through both proxies, %s at a time; medians over %d rounds, configurations "
+              "connection through both proxies, %s at a time; medians over the rounds (column R), configurations "
               "interleaved. *first contact*: a new HBONE connection and a full mTLS handshake per "
               "identity; *reconnect*: the same after the pooled connections idled out, where an "
               "mbtunnel client may resume its session. CPU per connection is each proxy's "
               "utime+stime over the storm divided by N; \"vs ztunnel\" is the ratio of connections "
-              "per second to the ztunnel pair's in the same pass." % (conc, rounds), ""]
-    lines.append("| N | pass | pair | conn/s | vs ztunnel | client proxy CPU / conn | server proxy CPU / conn | p50 / p99 ms | target | met |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+              "per second to the ztunnel pair's in the same pass." % conc, ""]
+    lines.append("| N | pass | pair | R | conn/s | vs ztunnel | client proxy CPU / conn | server proxy CPU / conn | p50 / p99 ms | target | met |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for n in ns:
         for p, pname in PASSES:
             zt = med(data.get((n, "ztunnel", p), []), "cps")
@@ -117,8 +116,8 @@ def main(argv):
                 if tgt is not None and zt and cps is not None:
                     met = "yes" if cps / zt >= tgt else "no"
                 lat = "%.1f / %.1f" % (med(rows, "p50"), med(rows, "p99")) if med(rows, "p50") is not None else "–"
-                lines.append("| {:,} | {} | {} | {:,.0f} | {} | {:.3f} ms | {:.3f} ms | {} | {} | {} |".format(
-                    n, pname, cname, cps, ratio, med(rows, "client_ms"), med(rows, "server_ms"), lat, ttext, met))
+                lines.append("| {:,} | {} | {} | {} | {:,.0f} | {} | {:.3f} ms | {:.3f} ms | {} | {} | {} |".format(
+                    n, pname, cname, len(rows), cps, ratio, med(rows, "client_ms"), med(rows, "server_ms"), lat, ttext, met))
     lines.append("")
     if problems:
         lines += ["Problems:", ""] + ["- " + p for p in problems] + [""]

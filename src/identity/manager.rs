@@ -1,8 +1,10 @@
 //! Keeps a certificate for every identity of this node's workloads as the mesh state changes:
 //! asks the store for one when a workload appears, and forgets certificates — and through
 //! `on_forget` the TLS contexts built on them — when no local workload uses the identity any
-//! more. The store owns the requests themselves: one in flight per identity, and after a
-//! failure the next only when its backoff ends (see [`CertStore::request`]).
+//! more; `on_held` hears of the identities holding a certificate after every change (the TLS
+//! contexts are built from them ahead of the first connection). The store owns the requests
+//! themselves: one in flight per identity, and after a failure the next only when its backoff
+//! ends (see [`CertStore::request`]).
 
 use std::sync::Arc;
 
@@ -21,6 +23,7 @@ pub async fn run(
     mut source_ready: watch::Receiver<bool>,
     ready: watch::Sender<bool>,
     on_forget: Arc<dyn Fn(&Identity) + Send + Sync>,
+    on_held: Arc<dyn Fn(Vec<Identity>) + Send + Sync>,
 ) {
     let mut changes = state.subscribe();
     let mut slots = certs.changes();
@@ -36,6 +39,11 @@ pub async fn run(
         for id in &want {
             // Nothing new while one is held, in flight or backing off.
             certs.request(id);
+        }
+        let held: Vec<Identity> =
+            want.iter().filter(|id| certs.current(id).is_some()).cloned().collect();
+        if !held.is_empty() {
+            on_held(held);
         }
         if !*ready.borrow()
             && *source_ready.borrow_and_update()
