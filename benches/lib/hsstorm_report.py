@@ -51,6 +51,11 @@ def collect(runs):
         if not meta:
             problems.append("%s: no meta.json (the run did not finish)" % os.path.basename(d))
             continue
+        held = meta.get("certs_held_before")
+        if held is not None and held < meta["n"]:
+            problems.append("%s: node A's proxy held %d of %d pod certificates when the storm began "
+                            "(it fetches the rest on first use, inside the first-contact storm)"
+                            % (os.path.basename(d), held, meta["n"]))
         for p, _ in PASSES:
             m, s = load(os.path.join(d, p + ".json")), load(os.path.join(d, p + ".out"))
             if not m or not s:
