@@ -35,8 +35,10 @@
 # CONC=64, POOL_IDLE=2, CONFIGS (default: all five: ztunnel mbt-p256 mbt-p256-nores mbt-rsa
 # mbt-rsa-nores), BIG_CONFIGS (the configurations for N >= 1000, default CONFIGS: RSA-2048 keys
 # for 2,000 identities take minutes to generate per run), README_WRITE=1, README_FILE=benches/README.md, KEEP=1 keeps the work directory,
-# PERF=1 records `perf record -g` of both proxies during each storm into the run's directory
-# (profiles only: the recording costs CPU, so its figures are not for the table; with KEEP=1).
+# PERF=1 records `perf record -g` of both proxies during each storm into the run's directory,
+# PERF=all the whole machine (`perf record -a -g`: who spends the CPU per connection, e.g.
+# `perf report -i F --sort comm`) (profiles only: the recording costs CPU, so its figures are not
+# for the table; with KEEP=1 and README_WRITE=0).
 set -euo pipefail
 BIN=${BIN:-target/dist/mbtunnel}
 [ -e "$BIN" ] && BIN=$(realpath "$BIN")
@@ -69,7 +71,18 @@ if ! topo_find_ztunnel; then
   CONFIGS=$(tr ' ' '\n' <<<"$CONFIGS" | grep -v '^ztunnel$' | tr '\n' ' '); say "$ZT_NOTE"
 fi
 PODNS=()
+# The neighbour (ARP) table is one for all namespaces, and N pods need about 2N entries (each pod's
+# gateway, node A's entry for each pod): the default gc_thresh3 of 1024 overflows near N = 500
+# ("neighbor table overflow!" in the kernel log, the proxies' connects fail with EHOSTUNREACH).
+# Raised for the run, restored on exit.
+NEIGH_SAVED=$(sysctl -n net.ipv4.neigh.default.gc_thresh1 net.ipv4.neigh.default.gc_thresh2 net.ipv4.neigh.default.gc_thresh3 | tr '\n' ' ')
+neigh_restore() {
+  local t1 t2 t3; read -r t1 t2 t3 <<<"$NEIGH_SAVED"
+  sysctl -qw net.ipv4.neigh.default.gc_thresh3="$t3" net.ipv4.neigh.default.gc_thresh2="$t2" \
+    net.ipv4.neigh.default.gc_thresh1="$t1" || true
+}
 cleanup() {
+  neigh_restore
   topo_cleanup
   local p
   for p in "${PODNS[@]}"; do ip netns del "$p" 2>/dev/null || true; done
@@ -82,7 +95,11 @@ pod_ip() { echo "10.78.$(($1 / 250)).$(($1 % 250 + 2))"; }
 
 # --- nodes, pods, apps (once per N) -------------------------------------------------------------
 nodes_up() { # n
-  local n=$1 ns i ip
+  local n=$1 ns i ip need=$((4 * $1 + 1024))
+  if [ "$(sysctl -n net.ipv4.neigh.default.gc_thresh3)" -lt "$need" ]; then
+    sysctl -qw net.ipv4.neigh.default.gc_thresh3="$need" net.ipv4.neigh.default.gc_thresh2="$need" \
+      net.ipv4.neigh.default.gc_thresh1="$((2 * $1))"
+  fi
   for ns in "$A" "$B"; do ip netns add "$ns"; ip -n "$ns" link set lo up; done
   ip link add "$T-va" netns "$A" type veth peer name "$T-vb" netns "$B"
   ip -n "$A" addr add "$IP_A/24" dev "$T-va"; ip -n "$A" link set "$T-va" up
@@ -242,6 +259,9 @@ storm() { # dir name
     perf record -F 1999 -g -p "$CPID" -o "$1/$2-client.perf" >/dev/null 2>&1 & perf+=($!)
     perf record -F 1999 -g -p "$SPID" -o "$1/$2-server.perf" >/dev/null 2>&1 & perf+=($!)
     sleep 1
+  elif [ "${PERF:-0}" = all ]; then
+    perf record -F 999 -a -g -o "$1/$2-all.perf" >/dev/null 2>&1 & perf+=($!)
+    sleep 1
   fi
   "$PY" benches/lib/measure.py run --client "$CPID" --server "$SPID" --apps "$NGINX_PID" \
     --out "$1/$2.out" -- "$BIN" tool storm --pods-file "$WORK/pods.txt" --connect "$IP_B:80" \
@@ -285,7 +305,7 @@ for item in $NS; do
 import json, sys
 for p in ("first", "again"):
     m = json.load(open(sys.argv[1] + "/" + p + ".json"))
-    s = json.loads(open(sys.argv[1] + "/" + p + ".out").read().strip().splitlines()[-1])
+    s = json.loads([l for l in open(sys.argv[1] + "/" + p + ".out").read().splitlines() if l.startswith("{")][-1])
     print("hsstorm:   %-5s %7.0f conn/s, proxies %.3f + %.3f ms CPU per connection, %d failed"
           % (p, s["conn_per_s"], m["cpu_client"] / s["connections"] * 1e3,
              m["cpu_server"] / s["connections"] * 1e3, s["failed"]))' "$WORK/runs/n$n-$cfg-r$r"

@@ -36,11 +36,19 @@ TARGETS = {
 
 
 def load(path):
+    """The last JSON object line of `path` (a failed storm prints its error after it)."""
     try:
         with open(path) as f:
-            return json.loads(f.read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
+            lines = f.read().splitlines()
+    except OSError:
         return None
+    for line in reversed(lines):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                pass
+    return None
 
 
 def collect(runs):
@@ -73,6 +81,16 @@ def collect(runs):
                 "p50": s.get("p50_ms"),
                 "p99": s.get("p99_ms"),
                 "foreign": m.get("foreign", 0.0),
+                # The machine's CPU per connection, by who spent it (ms): both proxies, the load
+                # generator (`tool storm`), nginx, ksoftirqd, and the rest (kernel work charged to
+                # no process of ours: interrupts, other threads).
+                "proxies_ms": (m["cpu_client"] + m["cpu_server"]) / n * 1000,
+                "loadgen_ms": m.get("cpu_loadgen", 0.0) / n * 1000,
+                "apps_ms": m.get("cpu_apps", 0.0) / n * 1000,
+                "ksoftirqd_ms": m.get("cpu_ksoftirqd", 0.0) / n * 1000,
+                "busy_ms": m.get("busy", 0.0) / n * 1000,
+                "cpus_busy": m.get("busy", 0.0) / m["wall"] if m.get("wall") else None,
+                "others_ms": (m.get("busy", 0.0) - m["cpu_client"] - m["cpu_server"]) / n * 1000,
             })
     return out, problems
 
@@ -80,6 +98,44 @@ def collect(runs):
 def med(rows, k):
     v = [r[k] for r in rows if r.get(k) is not None]
     return statistics.median(v) if v else None
+
+
+def machine_table(data, ns):
+    """Where the machine's CPU went per connection, and the rate the pair could reach at most.
+
+    The storm saturates the machine (CPUs busy column), so connections per second are bounded by
+    the machine's CPU per connection, of which the proxies are only a part: were an mbtunnel pair
+    free, the ratio to ztunnel could reach at most ztunnel's machine CPU per connection over the
+    rest of mbtunnel's (load generator, nginx, kernel), at the same CPUs busy.
+    """
+    out = ["Where the machine's CPU went, per connection (medians over the rounds; ms of CPU): "
+           "*busy* is machine-wide user+system+irq+softirq time (`/proc/stat`) over the storm "
+           "divided by N, *rest* is busy minus the named processes (kernel work charged to none "
+           "of them). *Bound* is the connections-per-second ratio to ztunnel the pair would reach "
+           "if its two proxies took no CPU at all: ztunnel's busy / (this pair's busy − its "
+           "proxies, per round), valid while the machine is saturated. CPU times are counted in "
+           "10 ms ticks: at N = 200 a tick is 0.05 ms per connection.", "",
+           "| N | pass | pair | CPUs busy | busy / conn | both proxies | load generator | nginx | ksoftirqd | rest | bound vs ztunnel |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for n in ns:
+        for p, pname in PASSES:
+            zt = med(data.get((n, "ztunnel", p), []), "busy_ms")
+            for cfg, cname in CONFIGS:
+                rows = data.get((n, cfg, p))
+                if not rows or med(rows, "busy_ms") is None:
+                    continue
+                busy, prox = med(rows, "busy_ms"), med(rows, "proxies_ms")
+                named = prox + med(rows, "loadgen_ms") + med(rows, "apps_ms") + med(rows, "ksoftirqd_ms")
+                bound = "–"
+                others = med(rows, "others_ms")
+                if cfg != "ztunnel" and zt and others and others > 0:
+                    bound = "%.2f" % (zt / others)
+                cb = med(rows, "cpus_busy")
+                out.append("| {:,} | {} | {} | {} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {:.3f} | {} |".format(
+                    n, pname, cname, "%.2f" % cb if cb is not None else "–", busy, prox,
+                    med(rows, "loadgen_ms"), med(rows, "apps_ms"), med(rows, "ksoftirqd_ms"),
+                    max(0.0, busy - named), bound))
+    return out + [""]
 
 
 def main(argv):
@@ -124,6 +180,7 @@ def main(argv):
                 lines.append("| {:,} | {} | {} | {} | {:,.0f} | {} | {:.3f} ms | {:.3f} ms | {} | {} | {} |".format(
                     n, pname, cname, len(rows), cps, ratio, med(rows, "client_ms"), med(rows, "server_ms"), lat, ttext, met))
     lines.append("")
+    lines += machine_table(data, ns)
     if problems:
         lines += ["Problems:", ""] + ["- " + p for p in problems] + [""]
     worst = max((r["foreign"] for v in data.values() for r in v), default=0.0)
