@@ -35,7 +35,8 @@
 # CONC=64, POOL_IDLE=2, CONFIGS (default: all five: ztunnel mbt-p256 mbt-p256-nores mbt-rsa
 # mbt-rsa-nores), BIG_CONFIGS (the configurations for N >= 1000, default CONFIGS: RSA-2048 keys
 # for 2,000 identities take minutes to generate per run), README_WRITE=1, README_FILE=benches/README.md, KEEP=1 keeps the work directory,
-# PERF=1 records `perf record -g` of both proxies during each storm into the run's directory,
+# PERF=1 records `perf record -g` of both proxies during each storm into the run's directory
+# (PERF_CG="--call-graph dwarf,16384" for user-space stacks: the binaries keep no frame pointers),
 # PERF=all the whole machine (`perf record -a -g`: who spends the CPU per connection, e.g.
 # `perf report -i F --sort comm`) (profiles only: the recording costs CPU, so its figures are not
 # for the table; with KEEP=1 and README_WRITE=0).
@@ -256,8 +257,10 @@ print(sum(1 for c in d.get("certificates", []) if c.get("state") == "Available" 
 storm() { # dir name
   local perf=()
   if [ "${PERF:-0}" = 1 ]; then
-    perf record -F 1999 -g -p "$CPID" -o "$1/$2-client.perf" >/dev/null 2>&1 & perf+=($!)
-    perf record -F 1999 -g -p "$SPID" -o "$1/$2-server.perf" >/dev/null 2>&1 & perf+=($!)
+    # shellcheck disable=SC2086 # PERF_CG is a list of perf options
+    perf record -F 1999 ${PERF_CG:--g} -p "$CPID" -o "$1/$2-client.perf" >/dev/null 2>&1 & perf+=($!)
+    # shellcheck disable=SC2086
+    perf record -F 1999 ${PERF_CG:--g} -p "$SPID" -o "$1/$2-server.perf" >/dev/null 2>&1 & perf+=($!)
     sleep 1
   elif [ "${PERF:-0}" = all ]; then
     perf record -F 999 -a -g -o "$1/$2-all.perf" >/dev/null 2>&1 & perf+=($!)

@@ -409,3 +409,125 @@ async fn a_client_accepts_any_of_the_identities_it_lists_and_no_other() {
     );
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A TCP relay in front of `upstream` that keeps the first 64 KiB each client sent (its
+/// plaintext ClientHello records lead), one capture per connection, in accept order.
+async fn capturing_relay(
+    upstream: SocketAddr,
+) -> (SocketAddr, Arc<std::sync::Mutex<Vec<Arc<std::sync::Mutex<Vec<u8>>>>>>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let captures = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let all = captures.clone();
+    tokio::spawn(async move {
+        loop {
+            let (down, _) = l.accept().await.unwrap();
+            let up = tokio::net::TcpStream::connect(upstream).await.unwrap();
+            let cap = Arc::new(std::sync::Mutex::new(Vec::new()));
+            all.lock().unwrap().push(cap.clone());
+            let (mut dr, mut dw) = down.into_split();
+            let (mut ur, mut uw) = up.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut ur, &mut dw).await;
+            });
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 16384];
+                loop {
+                    let n = match dr.read(&mut buf).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    {
+                        let mut c = cap.lock().unwrap();
+                        let room = 65536usize.saturating_sub(c.len());
+                        c.extend_from_slice(&buf[..n.min(room)]);
+                    }
+                    if uw.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = uw.shutdown().await;
+            });
+        }
+    });
+    (addr, captures)
+}
+
+/// The key-share groups of each plaintext ClientHello in `bytes` (a client's side of a
+/// connection): one list per ClientHello, two ClientHellos after a HelloRetryRequest.
+fn client_hello_key_shares(bytes: &[u8]) -> Vec<Vec<u16>> {
+    let u16at = |b: &[u8], i: usize| u16::from_be_bytes([b[i], b[i + 1]]);
+    let mut out = Vec::new();
+    let mut r = 0;
+    while r + 5 <= bytes.len() {
+        let (kind, len) = (bytes[r], u16at(bytes, r + 3) as usize);
+        let rec = &bytes[r + 5..(r + 5 + len).min(bytes.len())];
+        r += 5 + len;
+        if kind != 22 || rec.first() != Some(&1) {
+            continue; // not a handshake record holding a ClientHello
+        }
+        let mut p = 4 + 2 + 32; // handshake header, legacy_version, random
+        p += 1 + rec[p] as usize; // session id
+        p += 2 + u16at(rec, p) as usize; // cipher suites
+        p += 1 + rec[p] as usize; // compression methods
+        let end = p + 2 + u16at(rec, p) as usize;
+        p += 2;
+        let mut groups = Vec::new();
+        while p + 4 <= end {
+            let (typ, elen) = (u16at(rec, p), u16at(rec, p + 2) as usize);
+            if typ == 51 {
+                let mut q = p + 6; // extension header, client_shares length
+                while q + 4 <= p + 4 + elen {
+                    groups.push(u16at(rec, q));
+                    q += 4 + u16at(rec, q + 2) as usize;
+                }
+            }
+            p += 4 + elen;
+        }
+        out.push(groups);
+    }
+    out
+}
+
+const X25519MLKEM768: u16 = 0x11ec;
+const X25519: u16 = 0x001d;
+const SECP256R1: u16 = 0x0017;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_sends_one_key_share_for_the_group_its_destination_chose_last() {
+    let dir = temp_dir("keyshare");
+    let long = Duration::from_secs(7200);
+    let server = Side::new(&dir, long, false);
+    let client = Side::new(&dir, long, false);
+    let (addr, captures) = capturing_relay(serve(&server).await).await;
+    // First contact: BoringSSL's default shares, the hybrid and X25519, one ClientHello.
+    let (_, g, _) = once_with_group(&client, addr, SERVER).await.unwrap();
+    assert_eq!(g, "X25519MLKEM768");
+    // Then only the hybrid's share, and the same group, without a retry.
+    let (_, g, _) = once_with_group(&client, addr, SERVER).await.unwrap();
+    assert_eq!(g, "X25519MLKEM768");
+    let seen: Vec<_> = captures
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| client_hello_key_shares(&c.lock().unwrap()))
+        .collect();
+    assert_eq!(seen, [vec![vec![X25519MLKEM768, X25519]], vec![vec![X25519MLKEM768]]]);
+
+    // A destination that accepts P-256 only: the first handshake needs a HelloRetryRequest
+    // (two ClientHellos); the next sends the P-256 share at once.
+    let p256 = Side::with_groups(&dir, long, false, &["P-256"]);
+    let (addr, captures) = capturing_relay(serve(&p256).await).await;
+    for _ in 0..2 {
+        let (_, g, _) = once_with_group(&client, addr, SERVER).await.unwrap();
+        assert_eq!(g, "P-256");
+    }
+    let seen: Vec<_> = captures
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| client_hello_key_shares(&c.lock().unwrap()))
+        .collect();
+    assert_eq!(seen, [vec![vec![X25519MLKEM768, X25519], vec![SECP256R1]], vec![vec![SECP256R1]]]);
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -17,6 +17,7 @@
 //! every handshake.
 #![deny(unsafe_code)]
 
+mod keyshare;
 pub mod resume;
 pub mod suites;
 mod verify;
@@ -155,6 +156,9 @@ pub struct TlsProvider {
     verify_cache: bool,
     /// `tls_groups` joined for BoringSSL; empty = its defaults.
     groups: String,
+    /// The group each destination chose last: its key share is the only one a client sends
+    /// (see [`keyshare`]).
+    key_shares: keyshare::Predictions,
     /// `tls_ciphers`: TLS 1.3 suites in strict preference order; empty = BoringSSL's defaults.
     ciphers: Vec<String>,
     handshake_timeout: Duration,
@@ -181,6 +185,7 @@ impl TlsProvider {
             resumption: false,
             verify_cache: true,
             groups: String::new(),
+            key_shares: keyshare::Predictions::default(),
             ciphers: suites::default_order(),
             handshake_timeout: crate::net::Limits::default().handshake_timeout,
             server_gate: turns(crate::net::Limits::default().max_concurrent_handshakes),
@@ -559,6 +564,9 @@ impl TlsProvider {
         let r = self
             .bounded(async {
                 let mut ssl = Ssl::new(&ctx.connector)?;
+                if let Some(addr) = dest {
+                    self.key_shares.hint(&mut ssl, addr);
+                }
                 if let (true, Some(addr)) = (self.resumption, dest) {
                     let key = resume::SessionKey { expected: primary.clone(), addr };
                     if let Some(session) = ctx.sessions.take(&key) {
@@ -600,6 +608,9 @@ impl TlsProvider {
         let resumed = r.as_ref().is_ok_and(|s| s.ssl().session_reused());
         if let Ok(s) = &r {
             log_done("client", s.ssl(), primary);
+            if let Some(addr) = dest {
+                self.key_shares.learn(addr, s.ssl());
+            }
         }
         self.record("client", r.is_ok(), resumed, start);
         r

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Where a proxy's CPU went, by kind of work, from `perf record` files.
+
+  perf_breakdown.py LABEL=FILE.perf [LABEL=FILE.perf ...]
+
+Reads each profile's self time per symbol (`perf report --no-children --sort dso,sym`) and sums
+it into a few kinds of work, the same rules for every product (ztunnel's rustls/aws-lc symbols
+and mbtunnel's BoringSSL ones both name their primitives), and prints a markdown table: one
+column per profile, shares of its samples in percent. Used for the handshake-storm profiles in
+benches/README.md (`PERF=1 KEEP=1 README_WRITE=0 benches/hsstorm.sh`).
+"""
+import re
+import subprocess
+import sys
+
+# (kind, pattern on "dso symbol"), first match wins; kernel symbols are marked "[k]" by perf.
+KINDS = [
+    ("kernel: scheduler, futex, wake-ups",
+     re.compile(r"\[k\].*(futex|schedule|switch|wake|ttwu|enqueue|dequeue|pick_next|select_task|"
+                r"update_curr|update_load|native_queued_spin|irqentry_exit|ipi|_raw_spin_unlock_irq)")),
+    ("kernel: TCP/IP, sockets, epoll, other syscalls", re.compile(r"\[k\]")),
+    ("key exchange (X25519, ML-KEM)",
+     re.compile(r"(?i)(x25519|curve25519|fe4_|\bfe_|ge_p|ge_|mlkem|ml_kem|keccak|kyber|scalar_ntt|"
+                r"matrix_expand|encrypt_cpa|centered_binomial|sha3|shake)")),
+    ("signatures, certificates (ECDSA, RSA, X.509)",
+     re.compile(r"(?i)(ecdsa|p256|nistz256|ecp_|ec_|bn_|bignum|rsa|mont|mb::|ifma|x509|asn1|der::|"
+                r"cbs_|cbb_|webpki|beeu|scalar_mul|point_)")),
+    ("symmetric crypto, hashes, key schedule",
+     re.compile(r"(?i)(aes|gcm|ghash|sha1|sha256|sha512|sha2|hkdf|hmac|chacha|poly1305)")),
+    ("allocator", re.compile(r"(?i)(malloc|\bfree\b|cfree|_int_free|_int_malloc|unlink_chunk|realloc|"
+                             r"calloc|alloc::|je_|jemalloc|sdallocx|mallocx|tcache|arena_)")),
+    ("memory copies", re.compile(r"(?i)(memmove|memcpy|memset|memcmp)")),
+]
+OTHER = "the rest: runtime, HTTP/2, TLS state machine, proxy logic"
+
+
+def shares(path):
+    out = subprocess.run(
+        ["perf", "report", "-i", path, "--no-children", "--sort", "sym", "--stdio", "-g", "none",
+         "--percent-limit", "0"],
+        capture_output=True, text=True, check=True).stdout
+    got, samples = {}, None
+    for line in out.splitlines():
+        m = re.match(r"# Samples: (\S+)", line)
+        if m:
+            samples = m.group(1)
+        m = re.match(r"\s+([\d.]+)%\s+(\[[.k]\])\s+(.*)", line)
+        if not m:
+            continue
+        pct, mark, sym = float(m.group(1)), m.group(2), m.group(3)
+        text = ("[k] " if mark == "[k]" else "") + sym
+        kind = next((k for k, rx in KINDS if rx.search(text)), OTHER)
+        got[kind] = got.get(kind, 0.0) + pct
+    return got, samples
+
+
+def main(argv):
+    cols = [a.split("=", 1) for a in argv]
+    data = [(label, *shares(path)) for label, path in cols]
+    print("| kind of work | " + " | ".join(label for label, _, _ in data) + " |")
+    print("|---|" + "---|" * len(data))
+    for kind in [k for k, _ in KINDS] + [OTHER]:
+        print("| %s | %s |" % (kind, " | ".join("%.1f %%" % d.get(kind, 0.0) for _, d, _ in data)))
+    print("| samples | %s |" % " | ".join(str(s) for _, _, s in data))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
