@@ -28,11 +28,13 @@
 #
 # Configurations: ztunnel (P-256 leaves, its only choice), mbtunnel with P-256 and RSA-2048
 # workload keys, each with tls_resumption on (its default) and off. Both products otherwise at
-# their defaults.
+# their defaults, where an mbtunnel pair agrees on the post-quantum hybrid X25519MLKEM768 and the
+# ztunnel pair (62d82653, tls-aws-lc) on X25519 (its profile holds no ML-KEM work); so
+# mbt-p256-x25519 (P-256, resumption on, tls_groups [X25519]) is the like-for-like pair.
 #
 # Environment: BIN (default target/dist/mbtunnel, built if missing), NS="200 2000" (NxR: N pods,
 # R rounds, e.g. "200x3 2000x1"), ROUNDS=3 (for an N without its own),
-# CONC=64, POOL_IDLE=2, CONFIGS (default: all five: ztunnel mbt-p256 mbt-p256-nores mbt-rsa
+# CONC=64, POOL_IDLE=2, CONFIGS (default: all six: ztunnel mbt-p256 mbt-p256-nores mbt-p256-x25519 mbt-rsa
 # mbt-rsa-nores), BIG_CONFIGS (the configurations for N >= 1000, default CONFIGS: RSA-2048 keys
 # for 2,000 identities take minutes to generate per run), README_WRITE=1, README_FILE=benches/README.md, KEEP=1 keeps the work directory,
 # PERF=1 records `perf record -g` of both proxies during each storm into the run's directory
@@ -45,7 +47,7 @@ BIN=${BIN:-target/dist/mbtunnel}
 [ -e "$BIN" ] && BIN=$(realpath "$BIN")
 cd "$(dirname "$0")/.."
 NS=${NS:-"200 2000"}; ROUNDS=${ROUNDS:-3}; CONC=${CONC:-64}; POOL_IDLE=${POOL_IDLE:-2}
-CONFIGS=${CONFIGS:-"ztunnel mbt-p256 mbt-p256-nores mbt-rsa mbt-rsa-nores"}
+CONFIGS=${CONFIGS:-"ztunnel mbt-p256 mbt-p256-nores mbt-p256-x25519 mbt-rsa mbt-rsa-nores"}
 README_WRITE=${README_WRITE:-1}; README_FILE=${README_FILE:-benches/README.md}
 PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
 say() { echo "hsstorm: $*"; }
@@ -182,7 +184,7 @@ nodes_down() {
 }
 
 # --- proxies ------------------------------------------------------------------------------------
-mbt_node_config() { # node key resumption inpod → path
+mbt_node_config() { # node key resumption inpod groups → path
   local f="$WORK/mbt-$1.yaml"
   {
     echo "node_name: $1"
@@ -190,6 +192,7 @@ mbt_node_config() { # node key resumption inpod → path
     echo "ca_dir: $WORK/ca"
     echo "key_algorithm: $2"
     echo "tls_resumption: $3"
+    [ -n "${5:-}" ] && echo "tls_groups: [$5]"
     echo "pool_idle_timeout_secs: $POOL_IDLE"
     echo "socket_mark: 0x539"
     echo "watch_file: false"
@@ -216,9 +219,11 @@ start_pair() { # config dir → CPID SPID
     local key=ecdsa-p256 res=true
     case "$cfg" in mbt-rsa*) key=rsa-2048 ;; esac
     case "$cfg" in *-nores) res=false ;; esac
-    ip netns exec "$B" "$BIN" run --config "$(mbt_node_config nodeB "$key" "$res" 0)" > "$dir/server.log" 2>&1 &
+    local groups=""
+    case "$cfg" in *-x25519) groups=X25519 ;; esac
+    ip netns exec "$B" "$BIN" run --config "$(mbt_node_config nodeB "$key" "$res" 0 "$groups")" > "$dir/server.log" 2>&1 &
     SPID=$!; PIDS+=("$SPID")
-    ip netns exec "$A" "$BIN" run --config "$(mbt_node_config nodeA "$key" "$res" 1)" > "$dir/client.log" 2>&1 &
+    ip netns exec "$A" "$BIN" run --config "$(mbt_node_config nodeA "$key" "$res" 1 "$groups")" > "$dir/client.log" 2>&1 &
     CPID=$!; PIDS+=("$CPID")
   fi
   wait_ready "$B" "$cfg server" "$dir/server.log" && wait_ready "$A" "$cfg client" "$dir/client.log"

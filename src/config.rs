@@ -206,8 +206,9 @@ pub struct Config {
     /// checked on every handshake (see `tls::verify`).
     pub tls_verify_cache: bool,
     /// TLS key-exchange groups offered (client) and accepted (server), in preference order.
-    /// Empty: BoringSSL's defaults, which are what ztunnel offers: X25519MLKEM768 (the
-    /// post-quantum hybrid), X25519, P-256, P-384.
+    /// Empty: BoringSSL's defaults: X25519MLKEM768 (the post-quantum hybrid), X25519, P-256,
+    /// P-384. Two ztunnels (tls-aws-lc, defaults) agree on X25519; `[X25519]` here makes the same
+    /// trade (about a fifth less CPU per new connection, no post-quantum protection).
     pub tls_groups: Vec<String>,
     /// TLS 1.3 cipher suites in strict preference order, offered (client) and picked (server).
     /// Default: TLS_AES_128_GCM_SHA256, TLS_AES_256_GCM_SHA384, TLS_CHACHA20_POLY1305_SHA256

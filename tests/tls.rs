@@ -227,7 +227,7 @@ async fn off_on_either_side_means_full_handshakes() {
 async fn key_exchange_follows_tls_groups() {
     let dir = temp_dir("groups");
     let long = Duration::from_secs(7200);
-    // Defaults on both sides: the post-quantum hybrid, as ztunnel offers it.
+    // Defaults on both sides: the post-quantum hybrid (two ztunnels agree on X25519 instead).
     let server = Side::new(&dir, long, false);
     let client = Side::new(&dir, long, false);
     let addr = serve(&server).await;

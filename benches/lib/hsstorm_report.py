@@ -23,6 +23,7 @@ CONFIGS = [
     ("ztunnel", "ztunnel pair (P-256)"),
     ("mbt-p256", "mbtunnel pair, P-256, resumption on"),
     ("mbt-p256-nores", "mbtunnel pair, P-256, resumption off"),
+    ("mbt-p256-x25519", "mbtunnel pair, P-256, resumption on, X25519 (as the ztunnel pair)"),
     ("mbt-rsa", "mbtunnel pair, RSA-2048, resumption on"),
     ("mbt-rsa-nores", "mbtunnel pair, RSA-2048, resumption off"),
 ]

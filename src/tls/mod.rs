@@ -225,7 +225,7 @@ impl TlsProvider {
     }
 
     /// Key-exchange groups in preference order (names from [`GROUPS`]); empty = BoringSSL's
-    /// defaults (X25519MLKEM768, X25519, P-256, P-384, as ztunnel offers).
+    /// defaults (X25519MLKEM768, X25519, P-256, P-384).
     pub fn with_groups(mut self, groups: &[String]) -> Self {
         self.groups = groups.join(":");
         self
