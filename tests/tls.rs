@@ -489,6 +489,13 @@ fn client_hello_key_shares(bytes: &[u8]) -> Vec<Vec<u16>> {
     out
 }
 
+/// The key shares of every ClientHello each connection through a relay sent.
+fn key_shares_seen(
+    captures: &std::sync::Mutex<Vec<Arc<std::sync::Mutex<Vec<u8>>>>>,
+) -> Vec<Vec<Vec<u16>>> {
+    captures.lock().unwrap().iter().map(|c| client_hello_key_shares(&c.lock().unwrap())).collect()
+}
+
 const X25519MLKEM768: u16 = 0x11ec;
 const X25519: u16 = 0x001d;
 const SECP256R1: u16 = 0x0017;
@@ -506,12 +513,7 @@ async fn a_client_sends_one_key_share_for_the_group_its_destination_chose_last()
     // Then only the hybrid's share, and the same group, without a retry.
     let (_, g, _) = once_with_group(&client, addr, SERVER).await.unwrap();
     assert_eq!(g, "X25519MLKEM768");
-    let seen: Vec<_> = captures
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|c| client_hello_key_shares(&c.lock().unwrap()))
-        .collect();
+    let seen = key_shares_seen(&captures);
     assert_eq!(seen, [vec![vec![X25519MLKEM768, X25519]], vec![vec![X25519MLKEM768]]]);
 
     // A destination that accepts P-256 only: the first handshake needs a HelloRetryRequest
@@ -522,12 +524,7 @@ async fn a_client_sends_one_key_share_for_the_group_its_destination_chose_last()
         let (_, g, _) = once_with_group(&client, addr, SERVER).await.unwrap();
         assert_eq!(g, "P-256");
     }
-    let seen: Vec<_> = captures
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|c| client_hello_key_shares(&c.lock().unwrap()))
-        .collect();
+    let seen = key_shares_seen(&captures);
     assert_eq!(seen, [vec![vec![X25519MLKEM768, X25519], vec![SECP256R1]], vec![vec![SECP256R1]]]);
     let _ = std::fs::remove_dir_all(dir);
 }
