@@ -324,6 +324,8 @@ struct Queues {
     /// Threads waiting on `ready` (a request wakes one only if some thread sleeps).
     sleepers: usize,
     shutdown: bool,
+    /// Test hook: while `Some`, the budget of every live request taken, in the order taken.
+    taken_log: Option<Vec<Budget>>,
 }
 
 impl Queues {
@@ -359,6 +361,9 @@ impl Queues {
                     if r.reply.is_closed() {
                         abandoned += 1;
                         continue;
+                    }
+                    if let Some(log) = &mut self.taken_log {
+                        log.push(Budget::ALL[b]);
                     }
                     out.push(r);
                     misses = 0;
@@ -562,6 +567,7 @@ impl Signer {
                 depth: 0,
                 sleepers: 0,
                 shutdown: false,
+                taken_log: None,
             }),
             ready: Condvar::new(),
             full: Condvar::new(),
@@ -843,6 +849,20 @@ impl Signer {
         let _q = self.shared.queues.lock().unwrap();
         self.shared.ready.notify_all();
         self.shared.full.notify_all();
+    }
+
+    /// Test hook: from now on, note the budget of every request a thread takes (`true`), or stop
+    /// noting (`false`). What was noted is read with [`Signer::taken_order`].
+    #[doc(hidden)]
+    pub fn note_taken_order(&self, on: bool) {
+        self.shared.queues.lock().unwrap().taken_log = on.then(Vec::new);
+    }
+
+    /// Test hook: the budgets of the requests taken since [`Signer::note_taken_order`], in the
+    /// order the signer threads took them (not the order their handshakes happened to resume).
+    #[doc(hidden)]
+    pub fn taken_order(&self) -> Vec<Budget> {
+        self.shared.queues.lock().unwrap().taken_log.clone().unwrap_or_default()
     }
 
     /// Signer threads waiting for work now (all of them: the signer is idle).
