@@ -783,3 +783,62 @@ fn tcp_metrics_are_ztunnels_label_for_label() {
         assert_eq!(show(&got), show(&want), "{file}: mbtunnel (left) vs ztunnel (right)");
     }
 }
+
+/// The namespace the calling thread is in (inode of its nsfs file).
+fn thread_netns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/thread-self/ns/net").unwrap().ino()
+}
+
+#[test]
+fn a_workers_socket_for_a_pod_is_the_pods_and_the_worker_goes_home() {
+    require_netns!();
+    let sim = Sim::two_nodes();
+    let pod = sim.add_pod(1, 2);
+    // A listener on the pod's loopback: reachable only from inside the pod.
+    let (port, pod_ns) = pod.run(|| {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(b"from the pod").unwrap();
+        });
+        (port, thread_netns())
+    });
+    let rt = common::netns::runtime_in(&sim.node_ns(1));
+    let ns = pod.ns.clone();
+    let (node_before, node_after, inside, reply) = rt.block_on(async move {
+        tokio::spawn(async move {
+            let before = thread_netns();
+            let inside = ns.run_here(thread_netns).unwrap();
+            let s = ns.tcp_socket(false).unwrap();
+            let after = thread_netns();
+            let s = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(s));
+            let mut c = s.connect(([127, 0, 0, 1], port).into()).await.unwrap();
+            let mut reply = Vec::new();
+            tokio::io::AsyncReadExt::read_to_end(&mut c, &mut reply).await.unwrap();
+            (before, after, inside, reply)
+        })
+        .await
+        .unwrap()
+    });
+    assert_eq!(inside, pod_ns, "the work ran in the pod's namespace");
+    assert_ne!(node_before, pod_ns);
+    assert_eq!(node_after, node_before, "the worker is back in its node's namespace");
+    assert_eq!(reply, b"from the pod", "the socket connected inside the pod");
+    // A panic in the middle still brings the thread home.
+    let ns = pod.ns.clone();
+    let (home, after_panic) = rt.block_on(async move {
+        tokio::spawn(async move {
+            let home = thread_netns();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                ns.run_here(|| panic!("inside the pod"))
+            }));
+            assert!(r.is_err());
+            (home, thread_netns())
+        })
+        .await
+        .unwrap()
+    });
+    assert_eq!(after_panic, home);
+}

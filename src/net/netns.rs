@@ -1,9 +1,14 @@
-//! Network namespaces as the proxy uses them: a thread that has entered a pod's namespace and
-//! makes sockets there on request. A socket belongs to the namespace it was created in, whatever
-//! thread uses it later, so listeners and outbound sockets for a pod are created by its thread
-//! and then driven by the ordinary tokio runtime.
+//! Network namespaces as the proxy uses them. A socket belongs to the namespace it was created
+//! in, whatever thread uses it later, so a pod's sockets are created inside its namespace and
+//! then driven by the ordinary tokio runtime. Two ways in:
+//! - a thread per pod that has entered its namespace and runs jobs there ([`Netns::run`]):
+//!   listeners, the redirect setup, anything slow or that may block;
+//! - the calling thread, for the length of one short synchronous call ([`Netns::run_here`]):
+//!   outbound sockets, one per connection a pod opens. Two `setns` calls on the worker cost less
+//!   than handing each connect's `socket()` to the pod's thread and waking the worker again.
 #![forbid(unsafe_code)]
 
+use std::cell::OnceCell;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -124,9 +129,31 @@ impl Netns {
         io::Error::other(format!("netns thread of {} is gone", self.name))
     }
 
-    /// A non-blocking TCP socket in this namespace.
-    pub async fn tcp_socket(&self, v6: bool) -> io::Result<Socket> {
-        self.run(move || {
+    /// Runs `f` on the calling thread inside this namespace, then moves the thread back to its
+    /// own namespace (the one it was in when it first came here). For short synchronous work
+    /// only: nothing else runs on the thread meanwhile, so `f` must not block or yield. Should
+    /// the way back fail (it cannot unless the kernel runs out of memory), the process aborts
+    /// rather than let a worker create this node's sockets inside a pod.
+    pub fn run_here<T>(&self, f: impl FnOnce() -> T) -> io::Result<T> {
+        HOME.with(|home| {
+            let home = match home.get() {
+                Some(fd) => fd,
+                None => {
+                    let fd = open(Path::new("/proc/thread-self/ns/net"))?;
+                    home.get_or_init(|| fd)
+                }
+            };
+            sys::setns_net(self.fd.as_fd())?;
+            let back = GoHome(home.as_fd());
+            let out = f();
+            drop(back);
+            Ok(out)
+        })
+    }
+
+    /// A non-blocking TCP socket in this namespace, created on the calling thread.
+    pub fn tcp_socket(&self, v6: bool) -> io::Result<Socket> {
+        self.run_here(|| {
             let s = Socket::new(
                 if v6 { Domain::IPV6 } else { Domain::IPV4 },
                 Type::STREAM,
@@ -134,8 +161,25 @@ impl Netns {
             )?;
             s.set_nonblocking(true)?;
             Ok(s)
-        })
-        .await?
+        })?
+    }
+}
+
+thread_local! {
+    /// The namespace this thread returns to after [`Netns::run_here`]: the one it was in when it
+    /// first ran one (a runtime may have put its threads in a namespace when they started).
+    static HOME: OnceCell<OwnedFd> = const { OnceCell::new() };
+}
+
+/// Moves the thread back to its namespace when dropped, also when the work in between panicked.
+struct GoHome<'a>(BorrowedFd<'a>);
+
+impl Drop for GoHome<'_> {
+    fn drop(&mut self) {
+        if let Err(e) = sys::setns_net(self.0) {
+            tracing::error!(error = %e, "cannot return a thread to its network namespace; aborting");
+            std::process::abort();
+        }
     }
 }
 

@@ -138,12 +138,12 @@ pub struct DialOpts<'a> {
     pub timeout: Duration,
 }
 
-async fn new_socket(v6: bool, netns: Option<&Netns>) -> std::io::Result<TcpSocket> {
+fn new_socket(v6: bool, netns: Option<&Netns>) -> std::io::Result<TcpSocket> {
     match netns {
         None if v6 => TcpSocket::new_v6(),
         None => TcpSocket::new_v4(),
         Some(ns) => {
-            let s = ns.tcp_socket(v6).await?;
+            let s = ns.tcp_socket(v6)?;
             Ok(TcpSocket::from_std_stream(std::net::TcpStream::from(s)))
         }
     }
@@ -229,7 +229,7 @@ fn mark(sock: &TcpSocket, mark: u32) {
 }
 
 async fn dial_now(dst: SocketAddr, opts: DialOpts<'_>) -> std::io::Result<TcpStream> {
-    let sock = new_socket(dst.is_ipv6(), opts.netns).await?;
+    let sock = new_socket(dst.is_ipv6(), opts.netns)?;
     mark(&sock, opts.mark);
     SockRef::from(&sock).set_tcp_nodelay(true)?;
     if let Some(src) = opts.source.filter(|s| s.is_ipv4() == dst.is_ipv4()) {
@@ -247,7 +247,7 @@ async fn dial_now(dst: SocketAddr, opts: DialOpts<'_>) -> std::io::Result<TcpStr
         if let Err(e) = sock.bind(SocketAddr::new(src, 0)) {
             tracing::debug!(error = %e, source = %src, "cannot bind original source; using the proxy's address");
             // A failed bind leaves the socket unusable for a new bind: start over unbound.
-            let sock = new_socket(dst.is_ipv6(), opts.netns).await?;
+            let sock = new_socket(dst.is_ipv6(), opts.netns)?;
             mark(&sock, opts.mark);
             SockRef::from(&sock).set_tcp_nodelay(true)?;
             return sock.connect(dst).await;
