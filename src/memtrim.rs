@@ -1,10 +1,12 @@
 //! Giving memory freed after a burst back to the kernel.
 //!
 //! glibc's `malloc` keeps what a burst freed (relay chunks of up to 256 KiB, TLS records, h2
-//! frames) in its arenas, one per thread that allocated, and returns to the kernel only the free
-//! space at the top of each heap: a proxy that served a burst and went quiet keeps the burst's
-//! pages resident although nothing uses them. `malloc_trim(0)` hands every whole free page of
-//! every arena back (`MADV_DONTNEED`), so the next burst takes fresh zero pages instead. ztunnel
+//! frames) in its arena and returns to the kernel only free space at the top of the heap beyond
+//! a pad: a proxy that served a burst and went quiet keeps the burst's pages resident although
+//! nothing uses them. `malloc_trim(0)` hands every whole free page back (`MADV_DONTNEED`), and
+//! the main arena's free top too, so the next burst takes fresh zero pages instead. It cannot
+//! shrink the top of a per-thread arena, which is why the proxy runs with one arena
+//! ([`crate::net::sys::tune_allocator`]). ztunnel
 //! gets the same from jemalloc, which purges what stayed unused for 10 s; here a timer on the
 //! control runtime trims every [`INTERVAL`], after checking that the process's resident size is
 //! worth it, and counts what each trim gave back.
