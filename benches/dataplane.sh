@@ -283,6 +283,9 @@ run_product() { # product round attempt → dir in RUN_DIR
   # after 10 s, mbtunnel trims its heap every 10 s).
   sleep "$IDLE_SECS"
   rss_ic=$(awk '/^VmRSS/ {print $2}' "/proc/$CPID/status"); rss_is=$(awk '/^VmRSS/ {print $2}' "/proc/$SPID/status")
+  # Where that memory is, mapping by mapping (KEEP=1 keeps it; benches/lib/smaps_summary.py).
+  cp "/proc/$CPID/smaps" "$dir/idle-client.smaps" 2>/dev/null || true
+  cp "/proc/$SPID/smaps" "$dir/idle-server.smaps" 2>/dev/null || true
   stop "$CPID"; stop "$SPID"
   nodes_down
   cat > "$dir/meta.json" <<JSON
