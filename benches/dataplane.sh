@@ -52,6 +52,13 @@
 # with `cargo build --profile dist` if missing), ROUNDS=5, SECS=5, IDLE_SECS=12, RATE=1000, CONNS=16, HS_PROCS=4, QUIET_MAX=0.25, QUIET_SECS=2,
 # QUIET_WAIT=30, RETRIES=2, PRODUCTS="ztunnel mbtunnel", MBT_LOG / ZT_LOG (RUST_LOG of each; default:
 # the product's own default), KEEP=1 keeps the work directory (logs, raw outputs).
+#
+# PERF=1 profiles both proxies (`perf record -F 1999 -g -p PID`, PERF_CG to change the call-graph
+# option) during each workload named in PERF_WORKLOADS (default "iperf1 wrk cpr hs") into
+# <run>/<workload>-client.perf and -server.perf, keeps the work directory and does not write the
+# README (recording costs CPU: a profiled run's figures are not the table's). perf's own CPU is
+# reported as cpu_profilers in <run>/<workload>.json and not counted as foreign load by the quiet
+# check. Break a profile down by kind of work with benches/lib/perf_breakdown.py.
 set -euo pipefail
 BIN=${BIN:-target/dist/mbtunnel}
 [ -e "$BIN" ] && BIN=$(realpath "$BIN")     # before the cd below: BIN may be relative to the caller
@@ -59,6 +66,11 @@ cd "$(dirname "$0")/.."
 ROUNDS=${ROUNDS:-5}; SECS=${SECS:-5}; IDLE_SECS=${IDLE_SECS:-12}; RATE=${RATE:-1000}; CONNS=${CONNS:-16}; HS_PROCS=${HS_PROCS:-4}
 QUIET_MAX=${QUIET_MAX:-0.25}; QUIET_SECS=${QUIET_SECS:-2}; QUIET_WAIT=${QUIET_WAIT:-30}
 RETRIES=${RETRIES:-2}; README_WRITE=${README_WRITE:-1}; README_FILE=${README_FILE:-benches/README.md}
+PERF=${PERF:-0}; PERF_WORKLOADS=${PERF_WORKLOADS:-"iperf1 wrk cpr hs"}
+if [ "$PERF" = 1 ]; then
+  command -v perf >/dev/null || { echo "dataplane: PERF=1 needs perf (apt-get install linux-perf)"; exit 1; }
+  KEEP=1; README_WRITE=0
+fi
 PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
 say() { echo "dataplane: $*"; }
 
@@ -196,9 +208,17 @@ quiet_wait() { # → QUIET_PRE (CPUs busy in the last sample)
 }
 
 measure() { # dir workload rss_at cmd... → dir/workload.json, dir/workload.out
-  local dir=$1 w=$2 rss_at=$3; shift 3
+  local dir=$1 w=$2 rss_at=$3 perf=() p; shift 3
+  if [ "$PERF" = 1 ] && [[ " $PERF_WORKLOADS " == *" $w "* ]]; then
+    # shellcheck disable=SC2086 # PERF_CG is a list of perf options
+    perf record -F 1999 ${PERF_CG:--g} -p "$CPID" -o "$dir/$w-client.perf" >/dev/null 2>&1 & perf+=($!)
+    # shellcheck disable=SC2086
+    perf record -F 1999 ${PERF_CG:--g} -p "$SPID" -o "$dir/$w-server.perf" >/dev/null 2>&1 & perf+=($!)
+    sleep 0.3
+  fi
   "$PY" benches/lib/measure.py run --client "$CPID" --server "$SPID" --apps "$NGINX_PID,$IPERF_PID" \
-    --rss-at "$rss_at" --out "$dir/$w.out" -- timeout $((SECS + 60)) "$@" > "$dir/$w.json"
+    --profilers "$(IFS=,; echo "${perf[*]}")" --rss-at "$rss_at" --out "$dir/$w.out" -- timeout $((SECS + 60)) "$@" > "$dir/$w.json"
+  for p in "${perf[@]}"; do kill -INT "$p"; wait "$p" || true; done
   sleep 0.5
 }
 

@@ -14,6 +14,10 @@
       The chart of the table already in README (between the markers): one bar per row, the
       ratio mbtunnel / ztunnel on a log scale, the target marked, 1.0 (ztunnel) as the axis.
       For a table measured before charts were written; a rerun of the bench rewrites both.
+  dataplane_report.py costs RUN_DIR
+      Each proxy's own cost per unit of work in one product run (client-side and server-side
+      apart, the table's units): the @COST to give benches/lib/perf_breakdown.py for the
+      profiles a PERF=1 run kept beside the figures.
 """
 import glob
 import json
@@ -538,8 +542,36 @@ def write_chart(readme_path):
     return out
 
 
+def costs(run_dir):
+    """Per-proxy cost per unit of each profiled workload: (workload, unit, client, server)."""
+    ms = {w: load(os.path.join(run_dir, w + ".json")) for w in WORKLOADS}
+    out = []
+    for w in ("iperf1", "iperf4"):
+        try:
+            gb = json.loads(read(os.path.join(run_dir, w + ".out")))["end"]["sum_received"]["bytes"] / 1e9
+            out.append((w, "CPU-s per GB", ms[w]["cpu_client"] / gb, ms[w]["cpu_server"] / gb))
+        except (TypeError, ValueError, KeyError, ZeroDivisionError):
+            pass
+    for w in ("wrk", "cpr"):
+        r = wrk_parse(read(os.path.join(run_dir, w + ".out")))
+        if ms[w] and r.get("requests"):
+            k = r["requests"] / 1000
+            unit = "CPU-s per 1000 requests" if w == "wrk" else "CPU-s per 1000 connections"
+            out.append((w, unit, ms[w]["cpu_client"] / k, ms[w]["cpu_server"] / k))
+    for w in ("hs", "hsn", "hsr"):
+        total, _, _ = s_time_counts(run_dir, w)
+        if ms[w] and total:
+            out.append((w, "CPU-ms per handshake", ms[w]["cpu_client"] / total * 1000,
+                        ms[w]["cpu_server"] / total * 1000))
+    return out
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "chart":
+    if sys.argv[1] == "costs":
+        print("| workload | unit | client-side proxy | server-side proxy |\n|---|---|---|---|")
+        for w, unit, c, s in costs(sys.argv[2]):
+            print("| %s | %s | %.4g | %.4g |" % (w, unit, c, s))
+    elif sys.argv[1] == "chart":
         text = read(sys.argv[2])
         with open(sys.argv[3], "w") as f:
             f.write(chart_svg(rows_of_readme(text), chart_title(text)))

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """CPU and memory accounting around one workload of benches/dataplane.sh.
 
-  measure.py run --client PID --server PID [--apps PID,...] [--rss-at SECS] --out FILE -- CMD...
+  measure.py run --client PID --server PID [--apps PID,...] [--profilers PID,...] [--rss-at SECS]
+                 --out FILE -- CMD...
       Runs CMD (stdout and stderr to FILE) and prints one JSON object:
         wall            seconds CMD ran
         cpu_client      CPU seconds (utime+stime from /proc/PID/stat, all threads) of the
@@ -10,6 +11,8 @@
                         iperf3 server: the given PIDs and their children)
         cpu_loadgen     CPU seconds of CMD and its descendants (getrusage RUSAGE_CHILDREN)
         cpu_ksoftirqd   ksoftirqd threads (network receive work deferred out of our processes)
+        cpu_profilers   the --profilers PIDs (`perf record` of a PERF=1 run): part of the bench,
+                        so not foreign load, but CPU the proxies and apps could not use
         busy            machine-wide user+nice+system+irq+softirq seconds (/proc/stat), all CPUs
         foreign         (busy - all of the above) / wall: CPUs' worth of work done by processes
                         that are not part of the bench while it ran (other users' load)
@@ -125,7 +128,7 @@ def ctx_switches(pid):
 
 
 def run(argv):
-    opts = {"--apps": "", "--rss-at": "-1"}
+    opts = {"--apps": "", "--profilers": "", "--rss-at": "-1"}
     i = 0
     while argv[i] != "--":
         opts[argv[i]] = argv[i + 1]
@@ -134,6 +137,7 @@ def run(argv):
     client, server = int(opts["--client"]), int(opts["--server"])
     apps = children_of([int(p) for p in opts["--apps"].split(",") if p])
     ksirq = ksoftirqd_pids()
+    profilers = [int(p) for p in opts["--profilers"].split(",") if p]
     rss_at = float(opts["--rss-at"])
     rss = {}
 
@@ -144,6 +148,7 @@ def run(argv):
     x0 = ctx_switches(client), ctx_switches(server)
     a0 = sum(proc_cpu(p) for p in apps)
     k0 = sum(proc_cpu(p) for p in ksirq)
+    f0 = sum(proc_cpu(p) for p in profilers)
     b0, st0 = stat_cpu()
     t0 = time.monotonic()
     with open(opts["--out"], "w") as out:
@@ -162,6 +167,7 @@ def run(argv):
     x1 = ctx_switches(client), ctx_switches(server)
     a1 = sum(proc_cpu(p) for p in apps)
     k1 = sum(proc_cpu(p) for p in ksirq)
+    f1 = sum(proc_cpu(p) for p in profilers)
     b1, st1 = stat_cpu()
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = t1 - t0
@@ -172,6 +178,7 @@ def run(argv):
         "cpu_apps": a1 - a0,
         "cpu_loadgen": ru.ru_utime + ru.ru_stime,
         "cpu_ksoftirqd": k1 - k0,
+        "cpu_profilers": f1 - f0,
         "busy": b1 - b0,
         "steal": (st1 - st0) / wall,
         "rss_client_kib": rss["client"],
@@ -181,6 +188,7 @@ def run(argv):
         "rc": rc,
     }
     ours = r["cpu_client"] + r["cpu_server"] + r["cpu_apps"] + r["cpu_loadgen"] + r["cpu_ksoftirqd"]
+    ours += r["cpu_profilers"]
     r["foreign"] = max(0.0, r["busy"] - ours) / wall
     print(json.dumps(r))
 

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
 """Where a proxy's CPU went, by kind of work, from `perf record` files.
 
-  perf_breakdown.py LABEL=FILE.perf [LABEL=FILE.perf ...]
+  perf_breakdown.py LABEL=FILE.perf[@COST] [LABEL=FILE.perf[@COST] ...]
+
+With @COST (the process's measured CPU per unit of work in the same run, e.g. ms per 1000
+requests) each share is also given as that cost times the share, and a last pair of rows splits
+the cost into kernel and user space: what a profile says a product could at best save.
 
 Reads each profile's self time per symbol (`perf report --no-children --sort dso,sym`) and sums
 it into a few kinds of work, the same rules for every product (ztunnel's rustls/aws-lc symbols
@@ -20,10 +24,12 @@ KINDS = [
                 r"update_curr|update_load|native_queued_spin|irqentry_exit|ipi|_raw_spin_unlock_irq)")),
     ("kernel: TCP/IP, sockets, epoll, other syscalls", re.compile(r"\[k\]")),
     ("key exchange (X25519, ML-KEM)",
-     re.compile(r"(?i)(x25519|curve25519|fe4_|\bfe_|ge_p|ge_|mlkem|ml_kem|keccak|kyber|scalar_ntt|"
+     re.compile(r"(?i)(x25519|curve25519|fe4_|\bfe_|(?<![a-z])ge_|mlkem|ml_kem|keccak|kyber|scalar_ntt|"
                 r"matrix_expand|encrypt_cpa|centered_binomial|sha3|shake)")),
     ("signatures, certificates (ECDSA, RSA, X.509)",
-     re.compile(r"(?i)(ecdsa|p256|nistz256|ecp_|ec_|bn_|bignum|rsa|mont|mb::|ifma|x509|asn1|der::|"
+     # (?<![a-z]): whole words, so that e.g. aes_gcm_dec_update or "universal" do not match.
+     re.compile(r"(?i)(ecdsa|p256|nistz256|(?<![a-z])ecp_|(?<![a-z])ec_|(?<![a-z])bn_|bignum|"
+                r"(?<![a-z])rsa|mont|mb::|ifma|x509|asn1|der::|"
                 r"cbs_|cbb_|webpki|beeu|scalar_mul|point_)")),
     ("symmetric crypto, hashes, key schedule",
      re.compile(r"(?i)(aes|gcm|ghash|sha1|sha256|sha512|sha2|hkdf|hmac|chacha|poly1305)")),
@@ -54,14 +60,34 @@ def shares(path):
     return got, samples
 
 
+def parse(arg):
+    """LABEL=FILE[@COST] -> (label, file, cost or None)"""
+    label, rest = arg.split("=", 1)
+    m = re.match(r"(.*)@([0-9.eE+-]+)$", rest)
+    return (label, m.group(1), float(m.group(2))) if m else (label, rest, None)
+
+
+def cell(d, kind, cost):
+    pct = d.get(kind, 0.0)
+    return "%.1f %%" % pct if cost is None else "%.1f %% (%.3g)" % (pct, cost * pct / 100)
+
+
 def main(argv):
-    cols = [a.split("=", 1) for a in argv]
-    data = [(label, *shares(path)) for label, path in cols]
-    print("| kind of work | " + " | ".join(label for label, _, _ in data) + " |")
+    cols = [parse(a) for a in argv]
+    data = [(label, cost, *shares(path)) for label, path, cost in cols]
+    print("| kind of work | " + " | ".join(label for label, _, _, _ in data) + " |")
     print("|---|" + "---|" * len(data))
     for kind in [k for k, _ in KINDS] + [OTHER]:
-        print("| %s | %s |" % (kind, " | ".join("%.1f %%" % d.get(kind, 0.0) for _, d, _ in data)))
-    print("| samples | %s |" % " | ".join(str(s) for _, _, s in data))
+        print("| %s | %s |" % (kind, " | ".join(cell(d, kind, c) for _, c, d, _ in data)))
+    print("| samples | %s |" % " | ".join(str(s) for _, _, _, s in data))
+    if any(c is not None for _, c, _, _ in data):
+        kern = [sum(v for k, v in d.items() if k.startswith("kernel")) for _, _, d, _ in data]
+        print("| kernel, all kinds | %s |" % " | ".join(
+            "%.1f %%" % k if c is None else "%.1f %% (%.3g)" % (k, c * k / 100)
+            for k, (_, c, _, _) in zip(kern, data)))
+        print("| user space, all kinds | %s |" % " | ".join(
+            "%.1f %%" % (100 - k) if c is None else "%.1f %% (%.3g)" % (100 - k, c * (100 - k) / 100)
+            for k, (_, c, _, _) in zip(kern, data)))
 
 
 if __name__ == "__main__":
