@@ -11,7 +11,9 @@ Reads each profile's self time per symbol (`perf report --no-children --sort dso
 it into a few kinds of work, the same rules for every product (ztunnel's rustls/aws-lc symbols
 and mbtunnel's BoringSSL ones both name their primitives), and prints a markdown table: one
 column per profile, shares of its samples in percent. Used for the handshake-storm profiles in
-benches/README.md (`PERF=1 KEEP=1 README_WRITE=0 benches/hsstorm.sh`).
+benches/README.md (`PERF=1 KEEP=1 README_WRITE=0 benches/hsstorm.sh`) and the data-plane ones
+(`PERF=1 benches/dataplane.sh`; `benches/lib/dataplane_report.py costs RUN_DIR` gives the
+@COST of each proxy).
 """
 import re
 import subprocess
