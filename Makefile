@@ -8,9 +8,10 @@ deps:
 	@./scripts/deps.sh
 
 # What only the tests need: Debian's prometheus, which tests/dashboard.rs starts to run every query
-# of deploy/grafana/mbtunnel-dashboard.json (never started as a service: deps.sh refuses starts).
+# of deploy/grafana/mbtunnel-dashboard.json (never started as a service: deps.sh refuses starts),
+# and python3 for tests/bench_tools.rs (the bench scripts' arithmetic in benches/lib).
 test-deps: deps
-	@./scripts/deps.sh --packages prometheus --label test-deps
+	@./scripts/deps.sh --packages "prometheus python3" --label test-deps
 
 build: deps
 	$(CARGO) build --release --locked

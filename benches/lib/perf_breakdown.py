@@ -42,6 +42,12 @@ KINDS = [
 OTHER = "the rest: runtime, HTTP/2, TLS state machine, proxy logic"
 
 
+def kind_of(text):
+    """The kind of work of one perf report entry: "[k] symbol" for kernel symbols, else the
+    symbol."""
+    return next((k for k, rx in KINDS if rx.search(text)), OTHER)
+
+
 def shares(path):
     out = subprocess.run(
         ["perf", "report", "-i", path, "--no-children", "--sort", "sym", "--stdio", "-g", "none",
@@ -57,7 +63,7 @@ def shares(path):
             continue
         pct, mark, sym = float(m.group(1)), m.group(2), m.group(3)
         text = ("[k] " if mark == "[k]" else "") + sym
-        kind = next((k for k, rx in KINDS if rx.search(text)), OTHER)
+        kind = kind_of(text)
         got[kind] = got.get(kind, 0.0) + pct
     return got, samples
 
