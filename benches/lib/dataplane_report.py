@@ -102,6 +102,9 @@ def parse_run(d):
             problems.append("%s: exit status %d" % (w, m["rc"]))
     v["foreign_max"] = max((m["foreign"] for m in ms.values() if m), default=0.0)
     v["steal_max"] = max((m["steal"] for m in ms.values() if m), default=0.0)
+    # perf record's own CPU in a PERF=1 run (0 otherwise): what the profiler took from the bench.
+    v["profilers_max"] = max((m.get("cpu_profilers", 0.0) / m["wall"] for m in ms.values() if m),
+                             default=0.0)
 
     def pcpu(w):
         return ms[w]["cpu_client"] + ms[w]["cpu_server"]
@@ -361,6 +364,8 @@ def table(argv):
         ("most CPUs of other load during a workload (quiet check)", "foreign_max", "2"),
         ("most CPU steal during a workload (hypervisor)", "steal_max", "2"),
     ]
+    if any(r[2].get("profilers_max") for d in data.values() for r in d.values()):
+        extra.append(("PERF=1: most CPUs perf itself took during a profiled workload", "profilers_max", "2"))
     for label, key, style in extra:
         cells = []
         for p in ("ztunnel", "mbtunnel"):
