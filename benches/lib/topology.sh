@@ -121,13 +121,13 @@ start_mbtunnel() { # ns node log → pid in MPID
   env ${log:+RUST_LOG="$log"} ip netns exec "$1" "$BIN" run --config "$(mbt_config "$2")" > "$3" 2>&1 &
   MPID=$!; PIDS+=("$MPID")
 }
-wait_ready() { # ns name log
-  local i
-  for i in $(seq 1 150); do
+wait_ready() { # ns name log [seconds, default 30]
+  local i secs=${4:-30}
+  for i in $(seq 1 $((secs * 5))); do
     if get "$1" http://127.0.0.1:15021/healthz/ready >/dev/null; then return 0; fi
     sleep 0.2
   done
-  echo "  $2 in $1 did not become ready"; tail -n 30 "$3"; return 1
+  echo "  $2 in $1 did not become ready in ${secs} s"; tail -n 30 "$3"; return 1
 }
 # Stops one process started here and forgets it (cleanup must not signal a PID reused since).
 stop() {
