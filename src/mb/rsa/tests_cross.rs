@@ -98,21 +98,39 @@ fn modexp_agrees() {
     }
     let mut rng = ChaCha20Rng::seed_from_u64(5);
     fn run<const L: usize, const L2: usize>(rng: &mut ChaCha20Rng, ebits: usize, w: usize) {
-        let (m, k0) = moduli(rng, L);
-        let x = lanes(rng, L);
-        let r2 = lanes(rng, L);
-        let e: Vec<Vec<u64>> =
-            (0..8).map(|_| (0..ebits.div_ceil(64)).map(|_| rng.gen()).collect()).collect();
-        let exps: [&[u64]; 8] = std::array::from_fn(|i| e[i].as_slice());
-        both!("modexp", k => k::scatter(&k::modexp::<L, L2>(
-            &k::gather::<L>(|i| x[i].as_slice()),
-            &exps,
-            ebits,
-            w,
-            &k::gather::<L>(|i| m[i].as_slice()),
-            k::U64x8::from_array(k0),
-            &k::gather::<L>(|i| r2[i].as_slice()),
-        )));
+        // Two exponentiations side by side, different in every lane and half.
+        let halves: Vec<_> = (0..2)
+            .map(|_| {
+                let (m, k0) = moduli(rng, L);
+                let x = lanes(rng, L);
+                let r2 = lanes(rng, L);
+                let e: Vec<Vec<u64>> = (0..8)
+                    .map(|_| (0..ebits.div_ceil(64)).map(|_| rng.gen()).collect())
+                    .collect();
+                (m, k0, x, r2, e)
+            })
+            .collect();
+        let exps: Vec<[&[u64]; 8]> =
+            halves.iter().map(|h| std::array::from_fn(|i| h.4[i].as_slice())).collect();
+        both!("modexp", k => {
+            let packed: Vec<_> = halves
+                .iter()
+                .map(|(m, k0, x, r2, _)| {
+                    (
+                        k::gather::<L>(|i| x[i].as_slice()),
+                        k::gather::<L>(|i| m[i].as_slice()),
+                        k::U64x8::from_array(*k0),
+                        k::gather::<L>(|i| r2[i].as_slice()),
+                    )
+                })
+                .collect();
+            let ops: [k::ModExp<'_, L>; 2] = std::array::from_fn(|h| {
+                let (x, m, k0, r2) = &packed[h];
+                k::ModExp { x_mont: x, exps: &exps[h], m, k0: *k0, r2 }
+            });
+            let [a, b] = k::modexp_pair::<L, L2>(ops, ebits, w);
+            (k::scatter(&a), k::scatter(&b))
+        });
     }
     for _ in 0..3 {
         run::<20, 40>(&mut rng, 1024, 4);
