@@ -30,6 +30,17 @@ macro_rules! unroll80 {
     };
 }
 
+/// Expands `$body` once per index `0..20` (as [`unroll80!`]), for block loops.
+macro_rules! unroll20 {
+    ($j:ident < $n:expr => $body:block) => {
+        unroll80!(@go $j, $n, $body, [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19])
+    };
+}
+
+/// Experiment switch (A/B in one process): which squaring form runs at 20 limbs.
+pub(crate) static XAMM: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+pub(crate) static XSQR: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+
 /// Numbers in radix 2^52, limb-major, eight lanes: `N52x8<L>[j]` = limb `j` of every lane.
 pub(crate) type N52x8<const L: usize> = [U64x8; L];
 
@@ -167,7 +178,7 @@ kfn! {
         m: &N52x8<L>,
         k0: U64x8,
     ) -> N52x8<L> {
-        if L > 20 {
+        if L > 20 || XAMM.load(core::sync::atomic::Ordering::Relaxed) == 1 {
             // Beyond 20 limbs the register window spills; the memory-window form measured faster.
             return amm_mem::<L, L2>(a, b, m, k0);
         }
@@ -347,12 +358,29 @@ kfn! {
     ) -> N52x8<L> {
         if L <= 20 {
             // Small enough for a single-row window in registers, which measured faster.
-            return amsqr_rows::<L, L2>(a, m, k0);
+            return match XSQR.load(core::sync::atomic::Ordering::Relaxed) {
+                1 => amsqr_nb::<L, L2, 5>(a, m, k0),
+                2 => amsqr_nb::<L, L2, 10>(a, m, k0),
+                3 => amsqr_nb::<L, L2, 20>(a, m, k0),
+                4 => amsqr_cols::<L>(a, m, k0),
+                5 => amsqr_nb::<L, L2, 4>(a, m, k0),
+                6 => amsqr_pairs::<L, L2>(a, m, k0),
+                7 => amsqr_mem::<L, L2>(a, m, k0),
+                _ => amsqr_rows::<L, L2>(a, m, k0),
+            };
         }
         if L >= 40 {
             // The register window spills badly this large; the memory-window form measured faster.
             return amsqr_mem::<L, L2>(a, m, k0);
         }
+        amsqr_pairs::<L, L2>(a, m, k0)
+    }
+}
+
+kfn! {
+    /// Squaring, two rows per pass with the window in registers.
+    #[inline(never)]
+    fn amsqr_pairs<const L: usize, const L2: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
         let z = U64x8::zero();
         let mask = U64x8::splat(MASK52);
         // Digits of 2a (normalised), L + 1 of them; row A of a pair reads `ba`, row B `bb`.
@@ -450,6 +478,124 @@ kfn! {
         block!(1);
         block!(2);
         block!(3);
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// Experiment: [`amsqr_rows`] with `NB` blocks.
+    #[inline(never)]
+    fn amsqr_nb<const L: usize, const L2: usize, const NB: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mask = U64x8::splat(MASK52);
+        let mut bb = [z; L2];
+        bb[0] = a[0].shl::<1>().and(mask);
+        for j in 1..L {
+            bb[j] = a[j].shl::<1>().and(mask).add(a[j - 1].shr::<51>());
+        }
+        bb[L] = a[L - 1].shr::<51>();
+        let mut acc = [z; L];
+        unroll20!(k < NB => {
+            let s = k * L / NB;
+            for i in s..(k + 1) * L / NB {
+                if i > 0 {
+                    bb[i - 1] = z;
+                }
+                bb[i] = a[i];
+                bb[i + 1] = if i + 1 < L { a[i + 1].shl::<1>().and(mask) } else { z };
+                let ai = a[i];
+                let t0 = if s == 0 { acc[0].madd52lo(ai, bb[0]) } else { acc[0] };
+                let u = z.madd52lo(t0, k0);
+                let carry = t0.madd52lo(u, m[0]).shr::<52>();
+                unroll80!(j < L - 1 => {
+                    let mut v = acc[j + 1];
+                    if j + 1 >= s {
+                        v = v.madd52lo(ai, bb[j + 1]);
+                    }
+                    if j >= s {
+                        v = v.madd52hi(ai, bb[j]);
+                    }
+                    acc[j] = v.madd52lo(u, m[j + 1]).madd52hi(u, m[j]);
+                });
+                acc[L - 1] = z.madd52lo(ai, bb[L]).madd52hi(ai, bb[L - 1]).madd52hi(u, m[L - 1]);
+                acc[0] = acc[0].add(carry);
+            }
+        });
+        normalize(&mut acc);
+        acc
+    }
+}
+
+/// Column `c` of `a²` (product scanning): the cross products `a_i·a_j` (`i < j`) whose low half
+/// lands in `c` or whose high half lands in `c`, doubled, plus the square term of the column.
+macro_rules! sqr_column {
+    ($a:ident, $c:expr) => {{
+        let c: usize = $c;
+        let z = U64x8::zero();
+        let (mut lo, mut hi) = (z, z);
+        let mut i = (c + 1).saturating_sub(L);
+        while 2 * i < c {
+            lo = lo.madd52lo($a[i], $a[c - i]);
+            i += 1;
+        }
+        if c >= 1 {
+            let mut i = c.saturating_sub(L);
+            while 2 * i < c - 1 {
+                hi = hi.madd52hi($a[i], $a[c - 1 - i]);
+                i += 1;
+            }
+        }
+        let s = lo.add(hi);
+        let s = s.add(s);
+        if c % 2 == 0 {
+            if c / 2 < L {
+                s.madd52lo($a[c / 2], $a[c / 2])
+            } else {
+                s
+            }
+        } else {
+            s.madd52hi($a[(c - 1) / 2], $a[(c - 1) / 2])
+        }
+    }};
+}
+
+kfn! {
+    /// Experiment: the square by columns fed into a two-rows-per-pass reduction window.
+    #[inline(never)]
+    #[allow(unused_assignments)]
+    fn amsqr_cols<const L: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mut acc = [z; L];
+        unroll80!(i < L => {
+            acc[i] = sqr_column!(a, i);
+        });
+        let mut next = (sqr_column!(a, L), sqr_column!(a, L + 1));
+        unroll80!(r < L => {
+            if r % 2 == 0 {
+                let (col_a, col_b) = next;
+                if r + 2 < L {
+                    next = (sqr_column!(a, L + r + 2), sqr_column!(a, L + r + 3));
+                }
+                let t0 = acc[0];
+                let ua = z.madd52lo(t0, k0);
+                let ca = t0.madd52lo(ua, m[0]).shr::<52>();
+                let t1 = acc[1].madd52lo(ua, m[1]).madd52hi(ua, m[0]).add(ca);
+                let ub = z.madd52lo(t1, k0);
+                let cb = t1.madd52lo(ub, m[0]).shr::<52>();
+                unroll80!(q < L - 2 => {
+                    let p = q + 2;
+                    acc[q] = acc[p]
+                        .madd52lo(ua, m[p])
+                        .madd52hi(ua, m[p - 1])
+                        .madd52lo(ub, m[p - 1])
+                        .madd52hi(ub, m[p - 2]);
+                });
+                acc[L - 2] = col_a.madd52hi(ua, m[L - 1]).madd52lo(ub, m[L - 1]).madd52hi(ub, m[L - 2]);
+                acc[L - 1] = col_b.madd52hi(ub, m[L - 1]);
+                acc[0] = acc[0].add(cb);
+            }
+        });
         normalize(&mut acc);
         acc
     }

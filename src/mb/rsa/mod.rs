@@ -360,6 +360,15 @@ pub(crate) fn ifma_k0(m0: u64) -> u64 {
     x.wrapping_neg() & ((1 << 52) - 1)
 }
 
+#[doc(hidden)]
+/// Experiment switch (A/B): squaring form at 20 limbs.
+pub fn set_xsqr(v: usize) {
+    ifma::XAMM.store(v / 10, core::sync::atomic::Ordering::Relaxed);
+    let v = v % 10;
+    ifma::XSQR.store(v, core::sync::atomic::Ordering::Relaxed);
+    model::XSQR.store(v, core::sync::atomic::Ordering::Relaxed);
+}
+
 /// IFMA instructions (`vpmadd52luq` + `vpmadd52huq`, eight lanes each) one IFMA batch of
 /// `bits`-bit keys executes: both CRT exponentiations, the conversions in and out of the
 /// Montgomery domain, Garner's recombination and the batched fault check. The kernels run one

@@ -1,0 +1,937 @@
+// The RSA-CRT multi-buffer kernels, ONE source compiled twice (see `rsa/ifma.rs` and
+// `rsa/model.rs`, which `include!` this file): eight independent operations, one per 64-bit
+// lane, numbers in radix 2^52, limb-major (`[U64x8; L]`: vector `j` holds limb `j` of all eight
+// lanes).
+//
+// Every function wrapped in `kfn!` is compiled with the IFMA target features (avx512f,
+// avx512ifma, avx512vl) against `mb::simd::U64x8` in the IFMA build, and with no target
+// feature against the portable `mb::simd_model::U64x8` in the model build. The including module
+// brings `U64x8`, `MASK52` and `kfn!` into scope and defines the entry point `crt_batch`.
+//
+// Constant time: loops run over public bounds only (limb counts, window counts); secret values
+// (exponents, intermediate results) only flow through arithmetic, shifts and per-lane masked
+// blends. The exponent window value selects a table entry by comparing it with every index and
+// blending, so every entry is read for every window.
+
+
+/// Expands `$body` once per index `0..80` with `$j` bound to that index, keeping only indices
+/// below `$n` (a constant after monomorphisation, so the guards fold away). Used to fully unroll
+/// limb loops so that the accumulator window of a Montgomery step lives in registers.
+macro_rules! unroll80 {
+    ($j:ident < $n:expr => $body:block) => {
+        unroll80!(@go $j, $n, $body, [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31 32 33 34 35 36 37 38 39 40 41 42 43 44 45 46 47 48 49 50 51 52 53 54 55 56 57 58 59 60 61 62 63 64 65 66 67 68 69 70 71 72 73 74 75 76 77 78 79])
+    };
+    (@go $j:ident, $n:expr, $body:block, [$($k:literal)*]) => {
+        $({
+            let $j: usize = $k;
+            if $j < $n $body
+        })*
+    };
+}
+
+/// Expands `$body` once per index `0..20` (as [`unroll80!`]), for block loops.
+macro_rules! unroll20 {
+    ($j:ident < $n:expr => $body:block) => {
+        unroll80!(@go $j, $n, $body, [0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19])
+    };
+}
+
+/// Experiment switch (A/B in one process): which squaring form runs at 20 limbs.
+pub(crate) static XAMM: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+pub(crate) static XSQR: core::sync::atomic::AtomicUsize = core::sync::atomic::AtomicUsize::new(0);
+
+/// Numbers in radix 2^52, limb-major, eight lanes: `N52x8<L>[j]` = limb `j` of every lane.
+pub(crate) type N52x8<const L: usize> = [U64x8; L];
+
+/// The bits `[pos, pos + w)` of a little-endian word array (zero beyond its end). `pos` and `w`
+/// are public; the value is not, and is only returned.
+#[inline]
+fn window_bits(e: &[u64], pos: usize, w: usize) -> u64 {
+    let (word, sh) = (pos / 64, pos % 64);
+    let mut v = if word < e.len() { e[word] >> sh } else { 0 };
+    if sh + w > 64 && word + 1 < e.len() {
+        v |= e[word + 1] << (64 - sh);
+    }
+    v & ((1u64 << w) - 1)
+}
+
+kfn! {
+    /// Per lane, the exponent window starting at public bit `pos`.
+    #[inline]
+    fn window_index(exps: &[&[u64]; 8], pos: usize, w: usize) -> U64x8 {
+        U64x8::from_array(core::array::from_fn(|i| window_bits(exps[i], pos, w)))
+    }
+}
+
+kfn! {
+    /// Transposes per-lane limb slices (lane `i` = `f(i)`, at least `L` limbs) into limb-major form.
+    pub(crate) fn gather<'a, const L: usize>(f: impl Fn(usize) -> &'a [u64]) -> N52x8<L> {
+        let lanes: [&[u64]; 8] = core::array::from_fn(&f);
+        let mut out = [U64x8::zero(); L];
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = U64x8::from_array(core::array::from_fn(|i| lanes[i][j]));
+        }
+        out
+    }
+}
+
+kfn! {
+    /// Transposes back: `out[i][j]` = limb `j` of lane `i`.
+    pub(crate) fn scatter<const L: usize>(x: &N52x8<L>) -> [[u64; L]; 8] {
+        let mut out = [[0u64; L]; 8];
+        for (j, v) in x.iter().enumerate() {
+            let a = v.to_array();
+            for i in 0..8 {
+                out[i][j] = a[i];
+            }
+        }
+        out
+    }
+}
+
+kfn! {
+    /// Carry-propagates loose 64-bit limbs into 52-bit limbs. The carry out of the top limb is
+    /// dropped: callers guarantee the value fits in `L` limbs.
+    #[inline]
+    fn normalize<const L: usize>(x: &mut N52x8<L>) {
+        let mask = U64x8::splat(MASK52);
+        let mut c = U64x8::zero();
+        for v in x.iter_mut() {
+            let t = v.add(c);
+            c = t.shr::<52>();
+            *v = t.and(mask);
+        }
+    }
+}
+
+/// Two rows of operand scanning on the rolling accumulator window: row A adds `a0·bA + uA·m`,
+/// row B adds `a1·bB + uB·m` one limb up, then the window moves down two limbs. Only the two
+/// lowest positions are made exact (they give the reduction factors `uA`, `uB`); every other
+/// position takes eight IFMA in one pass, which halves the window traffic when `L` is too large
+/// for the window to stay in registers. Digits of `bA`/`bB` below `s` are known to be zero and
+/// skipped (`s` folds to a constant). `bA`/`bB` have `L + 1` meaningful digits.
+macro_rules! pair_step {
+    ($acc:ident, $a0:expr, $a1:expr, $ba:ident, $bb:ident, $m:ident, $k0:ident, $s:expr) => {{
+        let (a0, a1, s) = ($a0, $a1, $s);
+        let z = U64x8::zero();
+        let mut t0 = $acc[0];
+        if s == 0 {
+            t0 = t0.madd52lo(a0, $ba[0]);
+        }
+        let ua = z.madd52lo(t0, $k0);
+        let ca = t0.madd52lo(ua, $m[0]).shr::<52>();
+        let mut t1 = $acc[1];
+        if 1 >= s {
+            t1 = t1.madd52lo(a0, $ba[1]);
+        }
+        if s == 0 {
+            t1 = t1.madd52hi(a0, $ba[0]).madd52lo(a1, $bb[0]);
+        }
+        let t1 = t1.madd52lo(ua, $m[1]).madd52hi(ua, $m[0]).add(ca);
+        let ub = z.madd52lo(t1, $k0);
+        let cb = t1.madd52lo(ub, $m[0]).shr::<52>();
+        unroll80!(q < L - 2 => {
+            let p = q + 2;
+            let mut v = $acc[p];
+            if p >= s {
+                v = v.madd52lo(a0, $ba[p]);
+            }
+            if p > s {
+                v = v.madd52hi(a0, $ba[p - 1]).madd52lo(a1, $bb[p - 1]);
+            }
+            if p - 2 >= s {
+                v = v.madd52hi(a1, $bb[p - 2]);
+            }
+            v = v.madd52lo(ua, $m[p]).madd52hi(ua, $m[p - 1]);
+            $acc[q] = v.madd52lo(ub, $m[p - 1]).madd52hi(ub, $m[p - 2]);
+        });
+        $acc[L - 2] = z
+            .madd52lo(a0, $ba[L])
+            .madd52hi(a0, $ba[L - 1])
+            .madd52lo(a1, $bb[L - 1])
+            .madd52hi(a1, $bb[L - 2])
+            .madd52hi(ua, $m[L - 1])
+            .madd52lo(ub, $m[L - 1])
+            .madd52hi(ub, $m[L - 2]);
+        $acc[L - 1] = z.madd52lo(a1, $bb[L]).madd52hi(a1, $bb[L - 1]).madd52hi(ub, $m[L - 1]);
+        $acc[0] = $acc[0].add(cb);
+    }};
+}
+
+kfn! {
+    /// Almost Montgomery multiplication: `a·b·R⁻¹ mod m`, R = 2^(52·L), result < 2m and normalised,
+    /// for `a·b < 4m·m`-ish inputs (both below 2m, or one below 3m and the other below m) and 4m < R.
+    /// `L` must be even; `L2 = 2·L` (scratch).
+    ///
+    /// Operand scanning with a rolling accumulator window of `L` loose 64-bit limbs, two rows per
+    /// pass ([`pair_step!`]): per row `i` the products `a_i·b` and `u·m` are added (low halves at
+    /// their position, high halves one limb up) and the window moves down one limb. Only the lowest
+    /// limb's carry is made exact (it is what the next reduction factor needs); the other limbs
+    /// absorb at most `4L` terms below 2^52 each, which fits the 12 spare bits for `L ≤ 80`. One
+    /// carry propagation at the end. Up to 20 limbs the window lives in registers; larger sizes use
+    /// [`amm_mem`].
+    #[inline(never)]
+    pub(crate) fn amm<const L: usize, const L2: usize>(
+        a: &N52x8<L>,
+        b: &N52x8<L>,
+        m: &N52x8<L>,
+        k0: U64x8,
+    ) -> N52x8<L> {
+        if L > 20 || XAMM.load(core::sync::atomic::Ordering::Relaxed) == 1 {
+            // Beyond 20 limbs the register window spills; the memory-window form measured faster.
+            return amm_mem::<L, L2>(a, b, m, k0);
+        }
+        let z = U64x8::zero();
+        let mut bx = [z; L2];
+        bx[..L].copy_from_slice(b);
+        let mut acc = [z; L];
+        if XAMM.load(core::sync::atomic::Ordering::Relaxed) == 2 {
+            unroll80!(i < L => {
+                if i % 2 == 0 {
+                    pair_step!(acc, a[i], a[i + 1], bx, bx, m, k0, 0usize);
+                }
+            });
+        } else {
+            for i in (0..L).step_by(2) {
+                pair_step!(acc, a[i], a[i + 1], bx, bx, m, k0, 0usize);
+            }
+        }
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// The two-row step of [`pair_step!`] with the window kept in memory and a runtime limb loop:
+    /// each position costs one load and one store for eight IFMA, and the operand digits slide
+    /// through registers (three new loads per position). For windows too large for the register
+    /// file (`L ≥ 40`). Operand digits below the block start `s` are zero and skipped where a whole
+    /// position has none.
+    #[inline]
+    #[allow(clippy::too_many_arguments)]
+    fn pair_step_mem<const L: usize>(
+        acc: &mut N52x8<L>,
+        a0: U64x8,
+        a1: U64x8,
+        ba: &[U64x8],
+        bb: &[U64x8],
+        m: &N52x8<L>,
+        k0: U64x8,
+        s: usize,
+    ) {
+        let z = U64x8::zero();
+        let t0 = acc[0].madd52lo(a0, ba[0]);
+        let ua = z.madd52lo(t0, k0);
+        let ca = t0.madd52lo(ua, m[0]).shr::<52>();
+        let t1 = acc[1]
+            .madd52lo(a0, ba[1])
+            .madd52hi(a0, ba[0])
+            .madd52lo(a1, bb[0])
+            .madd52lo(ua, m[1])
+            .madd52hi(ua, m[0])
+            .add(ca);
+        let ub = z.madd52lo(t1, k0);
+        let cb = t1.madd52lo(ub, m[0]).shr::<52>();
+        let x0 = s.clamp(2, L);
+        for p in 2..x0 {
+            let v = acc[p].madd52lo(ua, m[p]).madd52hi(ua, m[p - 1]);
+            acc[p - 2] = v.madd52lo(ub, m[p - 1]).madd52hi(ub, m[p - 2]);
+        }
+        let (mut ba1, mut bb2, mut m1, mut m2) = (ba[x0 - 1], bb[x0 - 2], m[x0 - 1], m[x0 - 2]);
+        for p in x0..L {
+            let (bap, bb1, mp) = (ba[p], bb[p - 1], m[p]);
+            let v = acc[p].madd52lo(a0, bap).madd52hi(a0, ba1).madd52lo(a1, bb1).madd52hi(a1, bb2);
+            let w = z.madd52lo(ua, mp).madd52hi(ua, m1).madd52lo(ub, m1).madd52hi(ub, m2);
+            acc[p - 2] = v.add(w);
+            ba1 = bap;
+            bb2 = bb1;
+            m2 = m1;
+            m1 = mp;
+        }
+        acc[L - 2] = z
+            .madd52lo(a0, ba[L])
+            .madd52hi(a0, ba[L - 1])
+            .madd52lo(a1, bb[L - 1])
+            .madd52hi(a1, bb[L - 2])
+            .madd52hi(ua, m[L - 1])
+            .madd52lo(ub, m[L - 1])
+            .madd52hi(ub, m[L - 2]);
+        acc[L - 1] = z.madd52lo(a1, bb[L]).madd52hi(a1, bb[L - 1]).madd52hi(ub, m[L - 1]);
+        acc[0] = acc[0].add(cb);
+    }
+}
+
+kfn! {
+    /// Squaring with [`pair_step_mem`] (same row operands as [`amsqr`]). `L2 = 2·L`.
+    #[inline(never)]
+    pub(crate) fn amsqr_mem<const L: usize, const L2: usize>(
+        a: &N52x8<L>,
+        m: &N52x8<L>,
+        k0: U64x8,
+    ) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mask = U64x8::splat(MASK52);
+        let mut ba = [z; L2];
+        ba[0] = a[0].shl::<1>().and(mask);
+        for j in 1..L {
+            ba[j] = a[j].shl::<1>().and(mask).add(a[j - 1].shr::<51>());
+        }
+        ba[L] = a[L - 1].shr::<51>();
+        let mut bb = ba;
+        let mut acc = [z; L];
+        for k in 0..8 {
+            let s = (k * L / 8) & !1;
+            let e = if k == 7 { L } else { ((k + 1) * L / 8) & !1 };
+            for i in (s..e).step_by(2) {
+                if i >= 2 {
+                    ba[i - 2] = z;
+                    ba[i - 1] = z;
+                    bb[i - 1] = z;
+                }
+                ba[i] = a[i];
+                ba[i + 1] = a[i + 1].shl::<1>().and(mask);
+                bb[i] = z;
+                bb[i + 1] = a[i + 1];
+                bb[i + 2] = if i + 2 < L { a[i + 2].shl::<1>().and(mask) } else { z };
+                pair_step_mem(&mut acc, a[i], a[i + 1], &ba, &bb, m, k0, s);
+            }
+        }
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// AMM with [`pair_step_mem`]. `L2 = 2·L`.
+    #[inline(never)]
+    pub(crate) fn amm_mem<const L: usize, const L2: usize>(
+        a: &N52x8<L>,
+        b: &N52x8<L>,
+        m: &N52x8<L>,
+        k0: U64x8,
+    ) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mut bx = [z; L2];
+        bx[..L].copy_from_slice(b);
+        let mut acc = [z; L];
+        for i in (0..L).step_by(2) {
+            pair_step_mem(&mut acc, a[i], a[i + 1], &bx, &bx, m, k0, 0);
+        }
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// Montgomery reduction of a `2L`-limb loose value `t < m·R`: returns `t·R⁻¹ mod m`, below 2m,
+    /// normalised. `L2` must be `2·L`.
+    #[inline]
+    pub(crate) fn redc<const L: usize, const L2: usize>(t: &mut N52x8<L2>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        debug_assert_eq!(L2, 2 * L);
+        let z = U64x8::zero();
+        for i in 0..L {
+            let u = z.madd52lo(t[i], k0);
+            let carry = t[i].madd52lo(u, m[0]).shr::<52>();
+            for j in 1..L {
+                t[i + j] = t[i + j].madd52lo(u, m[j]).madd52hi(u, m[j - 1]);
+            }
+            t[i + L] = t[i + L].madd52hi(u, m[L - 1]);
+            t[i + 1] = t[i + 1].add(carry);
+        }
+        let mut out = [z; L];
+        out.copy_from_slice(&t[L..]);
+        normalize(&mut out);
+        out
+    }
+}
+
+kfn! {
+    /// Almost Montgomery squaring: `a²·R⁻¹ mod m`, result < 2m, for normalised `a < 2m`.
+    ///
+    /// Same rolling window as [`amm`], with a row-dependent second operand: row `i` adds
+    /// `a_i · B⁽ⁱ⁾` where `B⁽ⁱ⁾ = a_i·2^(52i) + 2·Σ_{j>i} a_j·2^(52j)` (digits: `a_i` at `i`, the
+    /// un-carried `2a_{i+1} mod 2^52` at `i+1`, the normalised digits of `2a` above, zero below).
+    /// Summed over the rows this is exactly `a²`, and each cross product is computed once. Rows run
+    /// in four blocks; inside a block the digits below the block start are known zero at compile
+    /// time and skipped, so the square costs about `1.25·L²` IFMA instead of `2L²` (plus `2L²` for
+    /// the reduction). Four blocks, not eight: each block is a fully unrolled copy of the window
+    /// code, and with eight the copies overflow the op cache of a Zen 5 — four issue ~3 % more IFMA
+    /// and run 5 % faster at 30 limbs there. `L` even, `L2 = 2·L`.
+    #[inline(never)]
+    pub(crate) fn amsqr<const L: usize, const L2: usize>(
+        a: &N52x8<L>,
+        m: &N52x8<L>,
+        k0: U64x8,
+    ) -> N52x8<L> {
+        if L <= 20 {
+            // Small enough for a single-row window in registers, which measured faster.
+            return match XSQR.load(core::sync::atomic::Ordering::Relaxed) {
+                1 => amsqr_nb::<L, L2, 5>(a, m, k0),
+                2 => amsqr_nb::<L, L2, 10>(a, m, k0),
+
+                4 => amsqr_cols::<L>(a, m, k0),
+                5 => amsqr_nb::<L, L2, 4>(a, m, k0),
+                6 => amsqr_pairs::<L, L2>(a, m, k0),
+                7 => amsqr_mem::<L, L2>(a, m, k0),
+                8 => amsqr_rows2::<L, L2>(a, m, k0),
+                9 => amsqr_cols2::<L>(a, m, k0),
+                3 => amsqr_cols3::<L>(a, m, k0),
+                _ => amsqr_rows::<L, L2>(a, m, k0),
+            };
+        }
+        if L >= 40 {
+            // The register window spills badly this large; the memory-window form measured faster.
+            return amsqr_mem::<L, L2>(a, m, k0);
+        }
+        amsqr_pairs::<L, L2>(a, m, k0)
+    }
+}
+
+kfn! {
+    /// Squaring, two rows per pass with the window in registers.
+    #[inline(never)]
+    fn amsqr_pairs<const L: usize, const L2: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mask = U64x8::splat(MASK52);
+        // Digits of 2a (normalised), L + 1 of them; row A of a pair reads `ba`, row B `bb`.
+        let mut ba = [z; L2];
+        ba[0] = a[0].shl::<1>().and(mask);
+        for j in 1..L {
+            ba[j] = a[j].shl::<1>().and(mask).add(a[j - 1].shr::<51>());
+        }
+        ba[L] = a[L - 1].shr::<51>();
+        let mut bb = ba;
+        let mut acc = [z; L];
+        macro_rules! block {
+            ($k:literal) => {{
+                let s = ($k * L / 4) & !1;
+                let e = if $k == 3 { L } else { (($k + 1) * L / 4) & !1 };
+                for i in (s..e).step_by(2) {
+                    if i >= 2 {
+                        ba[i - 2] = z;
+                        ba[i - 1] = z;
+                        bb[i - 1] = z;
+                    }
+                    ba[i] = a[i];
+                    ba[i + 1] = a[i + 1].shl::<1>().and(mask);
+                    bb[i] = z;
+                    bb[i + 1] = a[i + 1];
+                    bb[i + 2] = if i + 2 < L { a[i + 2].shl::<1>().and(mask) } else { z };
+                    pair_step!(acc, a[i], a[i + 1], ba, bb, m, k0, s);
+                }
+            }};
+        }
+        block!(0);
+        block!(1);
+        block!(2);
+        block!(3);
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// Squaring, one row per pass (the window of `L ≤ 20` limbs stays in registers; see [`amsqr`]).
+    ///
+    /// Same rolling register window as [`amm`], with a row-dependent second operand: row `i` adds
+    /// `a_i · B⁽ⁱ⁾` where `B⁽ⁱ⁾ = a_i·2^(52i) + 2·Σ_{j>i} a_j·2^(52j)` (digits: `a_i` at `i`, the
+    /// un-carried `2a_{i+1} mod 2^52` at `i+1`, the normalised digits of `2a` above). Summed over the
+    /// rows this is exactly `a²`, and each cross product is computed once. Rows run in four blocks;
+    /// inside block `k` the digits below the block start are known zero at compile time and are
+    /// skipped, so the square costs about `1.15·L²` IFMA instead of `2L²` (plus `2L²` for the
+    /// reduction). Four blocks rather than eight (or more): each block is a fully unrolled copy of
+    /// the row code, and more copies overflow the op cache — on a Zen 5 at 20 limbs, 8 blocks
+    /// 0.215 µs, 4 blocks 0.191 µs, 3 blocks 0.192 µs, 2 blocks 0.200 µs, 10 blocks 0.261 µs, 20
+    /// blocks 0.253 µs, although fewer blocks skip fewer zero digits (1,320 IFMA with 4 blocks
+    /// against 1,272 with 8). `L2` must be `2·L` (scratch for the `L + 1` digits of `B`).
+    #[inline]
+    fn amsqr_rows<const L: usize, const L2: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mask = U64x8::splat(MASK52);
+        // bb = digits of 2a (normalised), L + 1 of them.
+        let mut bb = [z; L2];
+        bb[0] = a[0].shl::<1>().and(mask);
+        for j in 1..L {
+            bb[j] = a[j].shl::<1>().and(mask).add(a[j - 1].shr::<51>());
+        }
+        bb[L] = a[L - 1].shr::<51>();
+        let mut acc = [z; L];
+        macro_rules! block {
+            ($k:literal) => {{
+                let s = $k * L / 4;
+                for i in s..($k + 1) * L / 4 {
+                    if i > 0 {
+                        bb[i - 1] = z;
+                    }
+                    bb[i] = a[i];
+                    bb[i + 1] = if i + 1 < L { a[i + 1].shl::<1>().and(mask) } else { z };
+                    let ai = a[i];
+                    let t0 = if s == 0 { acc[0].madd52lo(ai, bb[0]) } else { acc[0] };
+                    let u = z.madd52lo(t0, k0);
+                    let carry = t0.madd52lo(u, m[0]).shr::<52>();
+                    unroll80!(j < L - 1 => {
+                        let mut v = acc[j + 1];
+                        if j + 1 >= s {
+                            v = v.madd52lo(ai, bb[j + 1]);
+                        }
+                        if j >= s {
+                            v = v.madd52hi(ai, bb[j]);
+                        }
+                        acc[j] = v.madd52lo(u, m[j + 1]).madd52hi(u, m[j]);
+                    });
+                    acc[L - 1] = z.madd52lo(ai, bb[L]).madd52hi(ai, bb[L - 1]).madd52hi(u, m[L - 1]);
+                    acc[0] = acc[0].add(carry);
+                }
+            }};
+        }
+        block!(0);
+        block!(1);
+        block!(2);
+        block!(3);
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// Squaring, one row per pass (the window of `L ≤ 20` limbs stays in registers; see [`amsqr`]).
+    ///
+    /// Same rolling register window as [`amm`], with a row-dependent second operand: row `i` adds
+    /// `a_i · B⁽ⁱ⁾` where `B⁽ⁱ⁾ = a_i·2^(52i) + 2·Σ_{j>i} a_j·2^(52j)` (digits: `a_i` at `i`, the
+    /// un-carried `2a_{i+1} mod 2^52` at `i+1`, the normalised digits of `2a` above). Summed over the
+    /// rows this is exactly `a²`, and each cross product is computed once. Rows run in four blocks;
+    /// inside block `k` the digits below the block start are known zero at compile time and are
+    /// skipped, so the square costs about `1.15·L²` IFMA instead of `2L²` (plus `2L²` for the
+    /// reduction). Four blocks rather than eight (or more): each block is a fully unrolled copy of
+    /// the row code, and more copies overflow the op cache — on a Zen 5 at 20 limbs, 8 blocks
+    /// 0.215 µs, 4 blocks 0.191 µs, 3 blocks 0.192 µs, 2 blocks 0.200 µs, 10 blocks 0.261 µs, 20
+    /// blocks 0.253 µs, although fewer blocks skip fewer zero digits (1,320 IFMA with 4 blocks
+    /// against 1,272 with 8). `L2` must be `2·L` (scratch for the `L + 1` digits of `B`).
+    #[inline(never)]
+    fn amsqr_rows2<const L: usize, const L2: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mask = U64x8::splat(MASK52);
+        // bb = digits of 2a (normalised), L + 1 of them.
+        let mut bb = [z; L2];
+        let mut d = [z; L2];
+        for j in 0..L {
+            d[j] = a[j].shl::<1>().and(mask);
+        }
+        bb[0] = d[0];
+        for j in 1..L {
+            bb[j] = d[j].add(a[j - 1].shr::<51>());
+        }
+        bb[L] = a[L - 1].shr::<51>();
+        let mut acc = [z; L];
+        macro_rules! block {
+            ($k:literal) => {{
+                let s = $k * L / 4;
+                for i in s..($k + 1) * L / 4 {
+                    if i > 0 {
+                        bb[i - 1] = z;
+                    }
+                    bb[i] = a[i];
+                    bb[i + 1] = d[i + 1];
+                    let ai = a[i];
+                    let t0 = if s == 0 { acc[0].madd52lo(ai, bb[0]) } else { acc[0] };
+                    let u = z.madd52lo(t0, k0);
+                    let carry = t0.madd52lo(u, m[0]).shr::<52>();
+                    unroll80!(j < L - 1 => {
+                        let mut v = acc[j + 1];
+                        if j + 1 >= s {
+                            v = v.madd52lo(ai, bb[j + 1]);
+                        }
+                        if j >= s {
+                            v = v.madd52hi(ai, bb[j]);
+                        }
+                        acc[j] = v.madd52lo(u, m[j + 1]).madd52hi(u, m[j]);
+                    });
+                    acc[L - 1] = z.madd52lo(ai, bb[L]).madd52hi(ai, bb[L - 1]).madd52hi(u, m[L - 1]);
+                    acc[0] = acc[0].add(carry);
+                }
+            }};
+        }
+        block!(0);
+        block!(1);
+        block!(2);
+        block!(3);
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// Experiment: [`amsqr_rows`] with `NB` blocks.
+    #[inline(never)]
+    fn amsqr_nb<const L: usize, const L2: usize, const NB: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mask = U64x8::splat(MASK52);
+        let mut bb = [z; L2];
+        bb[0] = a[0].shl::<1>().and(mask);
+        for j in 1..L {
+            bb[j] = a[j].shl::<1>().and(mask).add(a[j - 1].shr::<51>());
+        }
+        bb[L] = a[L - 1].shr::<51>();
+        let mut acc = [z; L];
+        unroll20!(k < NB => {
+            let s = k * L / NB;
+            for i in s..(k + 1) * L / NB {
+                if i > 0 {
+                    bb[i - 1] = z;
+                }
+                bb[i] = a[i];
+                bb[i + 1] = if i + 1 < L { a[i + 1].shl::<1>().and(mask) } else { z };
+                let ai = a[i];
+                let t0 = if s == 0 { acc[0].madd52lo(ai, bb[0]) } else { acc[0] };
+                let u = z.madd52lo(t0, k0);
+                let carry = t0.madd52lo(u, m[0]).shr::<52>();
+                unroll80!(j < L - 1 => {
+                    let mut v = acc[j + 1];
+                    if j + 1 >= s {
+                        v = v.madd52lo(ai, bb[j + 1]);
+                    }
+                    if j >= s {
+                        v = v.madd52hi(ai, bb[j]);
+                    }
+                    acc[j] = v.madd52lo(u, m[j + 1]).madd52hi(u, m[j]);
+                });
+                acc[L - 1] = z.madd52lo(ai, bb[L]).madd52hi(ai, bb[L - 1]).madd52hi(u, m[L - 1]);
+                acc[0] = acc[0].add(carry);
+            }
+        });
+        normalize(&mut acc);
+        acc
+    }
+}
+
+/// Column `c` of `a²` (product scanning): the cross products `a_i·a_j` (`i < j`) whose low half
+/// lands in `c` or whose high half lands in `c`, doubled, plus the square term of the column.
+macro_rules! sqr_column {
+    ($a:ident, $c:expr) => {{
+        let c: usize = $c;
+        let z = U64x8::zero();
+        let (mut lo, mut hi) = (z, z);
+        let mut i = (c + 1).saturating_sub(L);
+        while 2 * i < c {
+            lo = lo.madd52lo($a[i], $a[c - i]);
+            i += 1;
+        }
+        if c >= 1 {
+            let mut i = c.saturating_sub(L);
+            while 2 * i < c - 1 {
+                hi = hi.madd52hi($a[i], $a[c - 1 - i]);
+                i += 1;
+            }
+        }
+        let s = lo.add(hi);
+        let s = s.add(s);
+        if c % 2 == 0 {
+            if c / 2 < L {
+                s.madd52lo($a[c / 2], $a[c / 2])
+            } else {
+                s
+            }
+        } else {
+            s.madd52hi($a[(c - 1) / 2], $a[(c - 1) / 2])
+        }
+    }};
+}
+
+kfn! {
+    /// Experiment: the square by columns fed into a two-rows-per-pass reduction window.
+    #[inline(never)]
+    #[allow(unused_assignments)]
+    fn amsqr_cols<const L: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mut acc = [z; L];
+        unroll80!(i < L => {
+            acc[i] = sqr_column!(a, i);
+        });
+        let mut next = (sqr_column!(a, L), sqr_column!(a, L + 1));
+        unroll80!(r < L => {
+            if r % 2 == 0 {
+                let (col_a, col_b) = next;
+                if r + 2 < L {
+                    next = (sqr_column!(a, L + r + 2), sqr_column!(a, L + r + 3));
+                }
+                let t0 = acc[0];
+                let ua = z.madd52lo(t0, k0);
+                let ca = t0.madd52lo(ua, m[0]).shr::<52>();
+                let t1 = acc[1].madd52lo(ua, m[1]).madd52hi(ua, m[0]).add(ca);
+                let ub = z.madd52lo(t1, k0);
+                let cb = t1.madd52lo(ub, m[0]).shr::<52>();
+                unroll80!(q < L - 2 => {
+                    let p = q + 2;
+                    acc[q] = acc[p]
+                        .madd52lo(ua, m[p])
+                        .madd52hi(ua, m[p - 1])
+                        .madd52lo(ub, m[p - 1])
+                        .madd52hi(ub, m[p - 2]);
+                });
+                acc[L - 2] = col_a.madd52hi(ua, m[L - 1]).madd52lo(ub, m[L - 1]).madd52hi(ub, m[L - 2]);
+                acc[L - 1] = col_b.madd52hi(ub, m[L - 1]);
+                acc[0] = acc[0].add(cb);
+            }
+        });
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// Experiment: the square by columns fed into a two-rows-per-pass reduction window.
+    #[inline(never)]
+    #[allow(unused_assignments)]
+    fn amsqr_cols2<const L: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mut cols = [z; 160];
+        unroll80!(i < L => {
+            cols[i] = sqr_column!(a, i);
+            cols[i + L] = sqr_column!(a, i + L);
+        });
+        let mut acc = [z; L];
+        unroll80!(i < L => {
+            acc[i] = cols[i];
+        });
+        let mut next = (cols[L], cols[L + 1]);
+        unroll80!(r < L => {
+            if r % 2 == 0 {
+                let (col_a, col_b) = next;
+                if r + 2 < L {
+                    next = (cols[L + r + 2], cols[L + r + 3]);
+                }
+                let t0 = acc[0];
+                let ua = z.madd52lo(t0, k0);
+                let ca = t0.madd52lo(ua, m[0]).shr::<52>();
+                let t1 = acc[1].madd52lo(ua, m[1]).madd52hi(ua, m[0]).add(ca);
+                let ub = z.madd52lo(t1, k0);
+                let cb = t1.madd52lo(ub, m[0]).shr::<52>();
+                unroll80!(q < L - 2 => {
+                    let p = q + 2;
+                    acc[q] = acc[p]
+                        .madd52lo(ua, m[p])
+                        .madd52hi(ua, m[p - 1])
+                        .madd52lo(ub, m[p - 1])
+                        .madd52hi(ub, m[p - 2]);
+                });
+                acc[L - 2] = col_a.madd52hi(ua, m[L - 1]).madd52lo(ub, m[L - 1]).madd52hi(ub, m[L - 2]);
+                acc[L - 1] = col_b.madd52hi(ub, m[L - 1]);
+                acc[0] = acc[0].add(cb);
+            }
+        });
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// Experiment: columns into memory, then a one-row reduction window.
+    #[inline(never)]
+    fn amsqr_cols3<const L: usize>(a: &N52x8<L>, m: &N52x8<L>, k0: U64x8) -> N52x8<L> {
+        let z = U64x8::zero();
+        let mut cols = [z; 160];
+        unroll80!(i < L => {
+            cols[i] = sqr_column!(a, i);
+            cols[i + L] = sqr_column!(a, i + L);
+        });
+        let mut acc = [z; L];
+        unroll80!(i < L => {
+            acc[i] = cols[i];
+        });
+        for i in 0..L {
+            let t0 = acc[0];
+            let u = z.madd52lo(t0, k0);
+            let carry = t0.madd52lo(u, m[0]).shr::<52>();
+            unroll80!(j < L - 1 => {
+                acc[j] = acc[j + 1].madd52lo(u, m[j + 1]).madd52hi(u, m[j]);
+            });
+            acc[L - 1] = cols[L + i].madd52hi(u, m[L - 1]);
+            acc[0] = acc[0].add(carry);
+        }
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
+    /// Plain product `a·b` as `2L` normalised limbs. `L2` must be `2·L`.
+    pub(crate) fn mul_wide<const L: usize, const L2: usize>(a: &N52x8<L>, b: &N52x8<L>) -> N52x8<L2> {
+        let mut t = [U64x8::zero(); L2];
+        for i in 0..L {
+            for j in 0..L {
+                t[i + j] = t[i + j].madd52lo(a[i], b[j]);
+                t[i + j + 1] = t[i + j + 1].madd52hi(a[i], b[j]);
+            }
+        }
+        normalize(&mut t);
+        t
+    }
+}
+
+kfn! {
+    /// `x mod m` for normalised `x < 2m`: subtracts `m` and keeps the difference in the lanes where
+    /// it did not borrow (per-lane masked blend, no branch).
+    pub(crate) fn reduce_once<const L: usize>(x: &N52x8<L>, m: &N52x8<L>) -> N52x8<L> {
+        let mask = U64x8::splat(MASK52);
+        let mut d = [U64x8::zero(); L];
+        let mut borrow = U64x8::zero(); // 0 or all-ones (−1)
+        for j in 0..L {
+            let t = x[j].sub(m[j]).add(borrow);
+            borrow = t.sra::<52>();
+            d[j] = t.and(mask);
+        }
+        let keep_x = borrow.eq_mask(U64x8::splat(u64::MAX)); // x < m
+        let mut out = d;
+        for j in 0..L {
+            out[j] = d[j].select(keep_x, x[j]);
+        }
+        out
+    }
+}
+
+kfn! {
+    /// Reads every table entry and keeps, per lane, the one whose index equals that lane's `idx`.
+    #[inline]
+    pub(crate) fn lookup<const L: usize>(table: &[N52x8<L>], idx: U64x8) -> N52x8<L> {
+        let mut r = [U64x8::zero(); L];
+        for (k, e) in table.iter().enumerate() {
+            let hit = idx.eq_mask(U64x8::splat(k as u64));
+            for j in 0..L {
+                r[j] = r[j].select(hit, e[j]);
+            }
+        }
+        r
+    }
+}
+
+kfn! {
+    /// `x^e mod m` per lane with a fixed window of `w` bits over `ebits` exponent bits (the same
+    /// sequence of squarings, lookups and multiplications for every exponent). `x_mont` is `x·R mod
+    /// m` (below 2m); `exps[i]` is lane `i`'s exponent (little-endian words). Returns the canonical
+    /// result (below m), out of the Montgomery domain.
+    pub(crate) fn modexp<const L: usize, const L2: usize>(
+        x_mont: &N52x8<L>,
+        exps: &[&[u64]; 8],
+        ebits: usize,
+        w: usize,
+        m: &N52x8<L>,
+        k0: U64x8,
+        r2: &N52x8<L>,
+    ) -> N52x8<L> {
+        let mut one = [U64x8::zero(); L];
+        one[0] = U64x8::splat(1);
+        let size = 1usize << w;
+        let mut table: Vec<N52x8<L>> = Vec::with_capacity(size);
+        table.push(amm::<L, L2>(r2, &one, m, k0)); // R mod m: Montgomery form of 1
+        table.push(*x_mont);
+        for k in 2..size {
+            let e = if k % 2 == 0 {
+                amsqr::<L, L2>(&table[k / 2], m, k0)
+            } else {
+                amm::<L, L2>(&table[k - 1], &table[1], m, k0)
+            };
+            table.push(e);
+        }
+        let windows = ebits.div_ceil(w);
+        let mut acc = lookup(&table, window_index(exps, (windows - 1) * w, w));
+        for win in (0..windows - 1).rev() {
+            for _ in 0..w {
+                acc = amsqr::<L, L2>(&acc, m, k0);
+            }
+            let e = lookup(&table, window_index(exps, win * w, w));
+            acc = amm::<L, L2>(&acc, &e, m, k0);
+        }
+        let r = amm::<L, L2>(&acc, &one, m, k0);
+        reduce_once(&r, m)
+    }
+}
+
+kfn! {
+    /// One CRT half: `c^d mod m` for the full-size `c`. `c mod m` is brought into the Montgomery
+    /// domain as REDC(c) = c·R⁻¹, then two multiplications by R² (c·R⁻¹·R²·R⁻¹·R²·R⁻¹ = c·R).
+    fn crt_half<const L: usize, const L2: usize>(
+        c: &N52x8<L2>,
+        m: &N52x8<L>,
+        k0: U64x8,
+        r2: &N52x8<L>,
+        exps: &[&[u64]; 8],
+        ebits: usize,
+        w: usize,
+    ) -> N52x8<L> {
+        let mut t = *c;
+        let x = redc::<L, L2>(&mut t, m, k0);
+        let x = amm::<L, L2>(&x, r2, m, k0);
+        let x = amm::<L, L2>(&x, r2, m, k0);
+        modexp::<L, L2>(&x, exps, ebits, w, m, k0, r2)
+    }
+}
+
+kfn! {
+    /// The RSA-CRT private operation on eight lanes, each with its own key of the same size, followed
+    /// by the public-key re-check (e = 65537). `em[i]` is lane `i`'s message representative in
+    /// radix 2^52 (`L2` limbs, below that lane's n). `corrupt` flips a bit of the result in the given
+    /// lanes before the check (test hook; 0 in production). `L2 = 2L`, `L4 = 4L`.
+    fn crt_batch_kernel<const L: usize, const L2: usize, const L4: usize>(
+        keys: &[LaneKey<'_>; 8],
+        em: &[&[u64]; 8],
+        ebits: usize,
+        w: usize,
+        corrupt: u8,
+    ) -> BatchOut<L2> {
+        let c: N52x8<L2> = gather(|i| em[i]);
+        let p: N52x8<L> = gather(|i| keys[i].p);
+        let q: N52x8<L> = gather(|i| keys[i].q);
+        let pk0 = U64x8::from_array(core::array::from_fn(|i| keys[i].p_k0));
+        let qk0 = U64x8::from_array(core::array::from_fn(|i| keys[i].q_k0));
+        let p_r2: N52x8<L> = gather(|i| keys[i].p_r2);
+        let q_r2: N52x8<L> = gather(|i| keys[i].q_r2);
+
+        let dp: [&[u64]; 8] = core::array::from_fn(|i| keys[i].dp);
+        let dq: [&[u64]; 8] = core::array::from_fn(|i| keys[i].dq);
+        let mp = crt_half::<L, L2>(&c, &p, pk0, &p_r2, &dp, ebits, w);
+        let mq = crt_half::<L, L2>(&c, &q, qk0, &q_r2, &dq, ebits, w);
+
+        // Garner: h = (m_p − m_q)·qInv mod p, computed as (m_p + 2p − m_q)·(qInv·R)·R⁻¹ (the sum is
+        // positive and below 3p because m_q < q < 2p); s = m_q + h·q.
+        let mask = U64x8::splat(MASK52);
+        let mut t = [U64x8::zero(); L];
+        let mut carry = U64x8::zero();
+        for j in 0..L {
+            let v = mp[j].add(p[j]).add(p[j]).sub(mq[j]).add(carry);
+            carry = v.sra::<52>();
+            t[j] = v.and(mask);
+        }
+        let qinv_r: N52x8<L> = gather(|i| keys[i].qinv_r);
+        let h = reduce_once(&amm::<L, L2>(&t, &qinv_r, &p, pk0), &p);
+        let mut s: N52x8<L2> = mul_wide::<L, L2>(&h, &q);
+        for j in 0..L {
+            s[j] = s[j].add(mq[j]);
+        }
+        normalize(&mut s);
+
+        let flip = U64x8::splat(1);
+        s[0] = s[0].select(corrupt, s[0].xor(flip));
+
+        // Fault check: s^65537 mod n must equal the representative.
+        let n: N52x8<L2> = gather(|i| keys[i].n);
+        let nk0 = U64x8::from_array(core::array::from_fn(|i| keys[i].n_k0));
+        let n_r2: N52x8<L2> = gather(|i| keys[i].n_r2);
+        let sm = amm::<L2, L4>(&s, &n_r2, &n, nk0);
+        let mut y = sm;
+        for _ in 0..16 {
+            y = amsqr::<L2, L4>(&y, &n, nk0);
+        }
+        y = amm::<L2, L4>(&y, &sm, &n, nk0);
+        let mut one = [U64x8::zero(); L2];
+        one[0] = U64x8::splat(1);
+        let y = reduce_once(&amm::<L2, L4>(&y, &one, &n, nk0), &n);
+        let mut ok: u8 = 0xff;
+        for j in 0..L2 {
+            ok &= y[j].eq_mask(c[j]);
+        }
+        BatchOut { sig: scatter(&s), ok }
+    }
+}
+
+// The tests call kernel functions through `kcall!`: a plain call in the model build (safe
+// functions), an `unsafe` call in the IFMA build (after `kernels_here` found the features).
