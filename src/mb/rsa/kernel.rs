@@ -184,6 +184,52 @@ kfn! {
 }
 
 kfn! {
+    /// Almost half Montgomery multiplication: `a·b·R⁻¹ mod m` (R = 2^(52·L)) in `L/2` reduction
+    /// rows instead of `L`, given `kb = b·2^(−26·L) mod m` alongside `b`. With `a = a_lo +
+    /// a_hi·2^(26·L)`, `a·b·R⁻¹ = (a_lo·kb + a_hi·b)·2^(−26·L)`, so row `i` adds `a_i·kb +
+    /// a_{i+L/2}·b + u_i·m` and drops one limb: `L/2` rows of `6L + 1` IFMA (1,210 at 20
+    /// limbs) where [`amm`] does `L` rows of `4L` (1,640). The sum is below `2^(26L)·(kb + m)`,
+    /// so for `a`, `b`, `kb` below `2m` and `4m < R` the result is normalised and below `4m`, which
+    /// the next squaring takes (`16m < R`) and brings back below `2m`. The window exponentiation
+    /// gets `b` and `kb` from tables of both (see [`Lookup`]). `L` even.
+    #[inline(never)]
+    pub(crate) fn ahmm<const L: usize>(
+        a: &N52x8<L>,
+        b: &N52x8<L>,
+        kb: &N52x8<L>,
+        m: &N52x8<L>,
+        k0: U64x8,
+    ) -> N52x8<L> {
+        let z = U64x8::zero();
+        let h = L / 2;
+        let mut acc = [z; L];
+        for i in 0..h {
+            let (lo, hi) = (a[i], a[i + h]);
+            // The row's products at position 0 first, apart from the window, so the chain from
+            // one reduction factor to the next is one add and the two products by u below.
+            let t0 = acc[0].add(z.madd52lo(lo, kb[0]).madd52lo(hi, b[0]));
+            let u = z.madd52lo(t0, k0);
+            let c = t0.madd52lo(u, m[0]).shr::<52>();
+            unroll80!(j < L => {
+                if j >= 1 {
+                    let v = acc[j]
+                        .madd52lo(lo, kb[j])
+                        .madd52hi(lo, kb[j - 1])
+                        .madd52lo(hi, b[j])
+                        .madd52hi(hi, b[j - 1])
+                        .madd52lo(u, m[j])
+                        .madd52hi(u, m[j - 1]);
+                    acc[j - 1] = if j == 1 { v.add(c) } else { v };
+                }
+            });
+            acc[L - 1] = z.madd52hi(lo, kb[L - 1]).madd52hi(hi, b[L - 1]).madd52hi(u, m[L - 1]);
+        }
+        normalize(&mut acc);
+        acc
+    }
+}
+
+kfn! {
     /// The two-row step of [`pair_step!`] with the window kept in memory and a runtime limb loop:
     /// each position costs one load and one store for eight IFMA, and the operand digits slide
     /// through registers (three new loads per position). For windows too large for the register
@@ -445,18 +491,35 @@ kfn! {
     /// (family 6 model 207): two 1024-bit exponentiations about 5.5 % faster than the row form
     /// (see `NOTES.md`). Generic so that out-of-range guards stay unevaluated, but called only with
     /// `L = 20`, `L2 = 40` (see [`amsqr_n`]); larger sizes would spill the `2L` columns badly.
+    ///
+    /// With `LK` (window exponentiation, `n = 4`) the same call also selects entry `idx` of the
+    /// two 16-entry tables `tb` and `tk` ([`Lookup`]): squaring `s` reads entries `4s..4s + 4`,
+    /// limb `i` of each in reduction row `i`, so the 640 loads and masked moves of the lookup fill
+    /// the squarings' idle issue slots instead of running after them. Every entry is read for
+    /// every lane whatever `idx` holds. Returns `(a^(2^n)…, tb[idx], tk[idx])` (zeros without
+    /// `LK`).
     #[inline(never)]
     #[allow(unused_assignments)]
-    fn amsqr_cols_n<const L: usize, const L2: usize>(
+    fn amsqr_cols_n<const L: usize, const L2: usize, const LK: bool>(
         a: &N52x8<L>,
         m: &N52x8<L>,
         k0: U64x8,
         n: usize,
-    ) -> N52x8<L> {
+        look: Lookup<'_, L>,
+    ) -> [N52x8<L>; 3] {
         let z = U64x8::zero();
         let mask = U64x8::splat(MASK52);
         let mut x = *a;
-        for _ in 0..n {
+        let mut tb = [z; L];
+        let mut tk = [z; L];
+        let mut hits = [0u8; 16];
+        if LK {
+            assert!(n == 4 && look.tb.len() == 16 && look.tk.len() == 16, "window lookup shape");
+            for (e, h) in hits.iter_mut().enumerate() {
+                *h = look.idx.eq_mask(U64x8::splat(e as u64));
+            }
+        }
+        for s in 0..n {
             // Columns up to L + 1 now; column L + 2 + i just before row i, which is two rows
             // before its first use, so that only about L + 2 columns are live at a time.
             let mut r = [z; L2];
@@ -467,6 +530,13 @@ kfn! {
             unroll80!(i < L => {
                 if i + L + 2 < L2 {
                     r[i + L + 2] = sqr_column!(x, i + L + 2, L);
+                }
+                if LK {
+                    for e4 in 0..4 {
+                        let e = (4 * s + e4) & 15;
+                        tb[i] = tb[i].select(hits[e], look.tb[e][i]);
+                        tk[i] = tk[i].select(hits[e], look.tk[e][i]);
+                    }
                 }
                 r[i] = r[i].madd52lo(u, m[0]);
                 r[i + 1] = r[i + 1].madd52hi(u, m[0]).madd52lo(u, m[1]).add(r[i].shr::<52>());
@@ -489,8 +559,17 @@ kfn! {
                 x[j] = t.and(mask);
             });
         }
-        x
+        [x, tb, tk]
     }
+}
+
+/// The tables a window's squarings select from on the way ([`amsqr_cols_n`] with `LK`): entry
+/// `idx` (per lane) of `tb` and of `tk`.
+#[derive(Clone, Copy)]
+pub(crate) struct Lookup<'a, const L: usize> {
+    tb: &'a [N52x8<L>],
+    tk: &'a [N52x8<L>],
+    idx: U64x8,
 }
 
 kfn! {
@@ -507,7 +586,8 @@ kfn! {
             // The literal sizes keep the column form from being instantiated for other sizes.
             let a20: &N52x8<20> = a[..].try_into().expect("L is 20");
             let m20: &N52x8<20> = m[..].try_into().expect("L is 20");
-            let r = amsqr_cols_n::<20, 40>(a20, m20, k0, n);
+            let none = Lookup { tb: &[], tk: &[], idx: U64x8::zero() };
+            let [r, _, _] = amsqr_cols_n::<20, 40, false>(a20, m20, k0, n, none);
             let mut out = [U64x8::zero(); L];
             out.copy_from_slice(&r);
             return out;
@@ -601,6 +681,27 @@ kfn! {
         }
         let windows = ebits.div_ceil(w);
         let mut acc = lookup(&table, window_index(exps, (windows - 1) * w, w));
+        if L == 20 && w == 4 {
+            // RSA-2048: each window's lookup rides in its squarings, and its multiplication is
+            // the half-reduction one, fed from a second table of the entries times 2^(−520).
+            let a20: &N52x8<20> = acc[..].try_into().expect("L is 20");
+            let m20: &N52x8<20> = m[..].try_into().expect("L is 20");
+            let tb: Vec<N52x8<20>> =
+                table.iter().map(|e| e[..].try_into().expect("L is 20")).collect();
+            let mut e10 = [U64x8::zero(); 20];
+            e10[10] = U64x8::splat(1);
+            let tk: Vec<N52x8<20>> = tb.iter().map(|e| amm::<20, 40>(e, &e10, m20, k0)).collect();
+            let mut x = *a20;
+            for win in (0..windows - 1).rev() {
+                let idx = window_index(exps, win * w, w);
+                let look = Lookup { tb: &tb, tk: &tk, idx };
+                let [y, b, kb] = amsqr_cols_n::<20, 40, true>(&x, m20, k0, w, look);
+                x = ahmm::<20>(&y, &b, &kb, m20, k0);
+            }
+            acc.copy_from_slice(&x);
+            let r = amm::<L, L2>(&acc, &one, m, k0);
+            return reduce_once(&r, m);
+        }
         for win in (0..windows - 1).rev() {
             acc = amsqr_n::<L, L2>(&acc, m, k0, w);
             let e = lookup(&table, window_index(exps, win * w, w));
@@ -828,23 +929,23 @@ mod tests {
     }
 
     /// AMM, squaring, reduce_once against BigNum for `cases` batches of 8 random moduli.
+    /// Below `m`, or below `2m` (a value below `m` doubled) half the time.
+    fn two_m_below(rng: &mut ChaCha20Rng, m: &BigNum) -> BigNum {
+        let mut x = below(rng, m);
+        if rng.gen::<bool>() {
+            let y = x.to_owned().unwrap();
+            x.checked_add(&y, m).unwrap();
+        }
+        x
+    }
+
     fn mont_ops<const L: usize, const L2: usize>(bits: usize, cases: usize, seed: u64) {
         let mut rng = ChaCha20Rng::seed_from_u64(seed);
         let rbits = 52 * L;
         for _ in 0..cases {
             let ms: Vec<BigNum> = (0..8).map(|_| rand_mod(&mut rng, bits)).collect();
             // inputs below 2m (the AMM contract), lane-distinct
-            let a: Vec<BigNum> = ms
-                .iter()
-                .map(|m| {
-                    let mut x = below(&mut rng, m);
-                    if rng.gen::<bool>() {
-                        let y = x.to_owned().unwrap();
-                        x.checked_add(&y, m).unwrap();
-                    }
-                    x
-                })
-                .collect();
+            let a: Vec<BigNum> = ms.iter().map(|m| two_m_below(&mut rng, m)).collect();
             let b: Vec<BigNum> = ms.iter().map(|m| below(&mut rng, m)).collect();
             let (va, vb, vm, k0) = (pack::<L>(&a), pack::<L>(&b), pack::<L>(&ms), k0s(&ms));
             let prod = unpack(&kcall! { amm::<L, L2>(&va, &vb, &vm, k0) });
@@ -873,11 +974,55 @@ mod tests {
         }
     }
 
+    /// The half-reduction multiplication against `BigNum` (`a` below 2m, `b` and `kb` below m,
+    /// lane-distinct), and the squarings with the stitched lookup against [`amsqr_n`] and
+    /// [`lookup`] (20 limbs, the only size that has them).
+    fn half_ops_20(bits: usize, cases: usize, seed: u64) {
+        let mut rng = ChaCha20Rng::seed_from_u64(seed);
+        let mut ctx = BigNumContext::new().unwrap();
+        for _ in 0..cases {
+            let ms: Vec<BigNum> = (0..8).map(|_| rand_mod(&mut rng, bits)).collect();
+            let (vm, k0) = (pack::<20>(&ms), k0s(&ms));
+            let a: Vec<BigNum> = ms.iter().map(|m| two_m_below(&mut rng, m)).collect();
+            let kb: Vec<BigNum> = ms.iter().map(|m| below(&mut rng, m)).collect();
+            // b = kb·2^520 mod m, so that kb = b·2^(−520) mod m
+            let b: Vec<BigNum> = (0..8).map(|i| modmul(&kb[i], &r_mod(520, &ms[i]), &ms[i])).collect();
+            let (va, vb, vkb) = (pack::<20>(&a), pack::<20>(&b), pack::<20>(&kb));
+            let got = unpack(&kcall! { ahmm::<20>(&va, &vb, &vkb, &vm, k0) });
+            for i in 0..8 {
+                let m = &ms[i];
+                let mut four_m = BigNum::new().unwrap();
+                four_m.lshift(m, 2).unwrap();
+                assert!(got[i] < four_m, "ahmm bound lane {i}");
+                let r = r_mod(1040, m);
+                let mut want = BigNum::new().unwrap();
+                want.mod_mul(&a[i], &b[i], m, &mut ctx).unwrap();
+                assert!(eq_mod(&modmul(&got[i], &r, m), &want, m), "ahmm lane {i}");
+            }
+            // 16-entry tables of lane-distinct values, a different index in every lane
+            let tab = |rng: &mut ChaCha20Rng| -> Vec<N52x8<20>> {
+                (0..16)
+                    .map(|_| pack::<20>(&ms.iter().map(|m| below(rng, m)).collect::<Vec<_>>()))
+                    .collect()
+            };
+            let (tb, tk) = (tab(&mut rng), tab(&mut rng));
+            let lanes: [u64; 8] = core::array::from_fn(|_| rng.gen_range(0..16u64));
+            let idx = kcall! { U64x8::from_array(lanes) };
+            let look = Lookup { tb: &tb, tk: &tk, idx };
+            let [y, gb, gk] = kcall! { amsqr_cols_n::<20, 40, true>(&va, &vm, k0, 4, look) };
+            assert_eq!(unpack(&y), unpack(&kcall! { amsqr_n::<20, 40>(&va, &vm, k0, 4) }));
+            assert_eq!(unpack(&gb), unpack(&kcall! { lookup(&tb, idx) }), "stitched lookup tb");
+            assert_eq!(unpack(&gk), unpack(&kcall! { lookup(&tk, idx) }), "stitched lookup tk");
+        }
+    }
+
     #[test]
     fn montgomery_ops_20() {
         if kernels_here() {
             mont_ops::<20, 40>(1024, 600, 20);
             mont_ops::<20, 40>(1000, 200, 21);
+            half_ops_20(1024, 300, 22);
+            half_ops_20(1000, 100, 23);
         }
     }
 

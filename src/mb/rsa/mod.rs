@@ -377,7 +377,7 @@ pub fn ifma_per_batch(bits: usize) -> Option<u64> {
     }
 }
 
-const IFMA_PER_BATCH_2048: u64 = 3_528_726;
+const IFMA_PER_BATCH_2048: u64 = 3_361_906;
 const IFMA_PER_BATCH_3072: u64 = 11_887_272;
 const IFMA_PER_BATCH_4096: u64 = 27_523_200;
 
